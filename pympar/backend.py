@@ -1,0 +1,196 @@
+"""Array backends: NumPy on the host, CuPy on the GPU, and how each meets MPI.
+
+This is pympar's lowest floor. It knows which array module an array belongs to,
+how to make a device array safe to hand to MPI (stream synchronisation), whether
+the loaded MPI library can read device memory (CUDA-aware MPI), and which MPI
+datatype carries a given dtype. CuPy is imported only when a CuPy array is seen
+or explicitly asked for, so ``import pympar`` works on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util import dtlib
+
+__all__ = [
+    "array_module",
+    "is_cupy_array",
+    "cupy_available",
+    "synchronize",
+    "cuda_aware",
+    "mpi_library_cuda_support",
+    "mpi_datatype",
+    "wire_dtype",
+    "accumulation_dtype",
+    "bfloat16",
+]
+
+
+def _bfloat16_dtype() -> np.dtype | None:
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+#: The bfloat16 dtype of ``ml_dtypes`` when it is installed, else ``None``.
+bfloat16: np.dtype | None = _bfloat16_dtype()
+
+
+def is_cupy_array(x: Any) -> bool:
+    """Return True when ``x`` is a CuPy array.
+
+    The check never imports CuPy: an object can only be a CuPy array if CuPy
+    is already loaded.
+    """
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def array_module(x: Any) -> ModuleType:
+    """Return the array module (``numpy`` or ``cupy``) that owns ``x``.
+
+    Parameters
+    ----------
+    x : array_like
+        A NumPy array, a CuPy array, or anything NumPy accepts.
+
+    Returns
+    -------
+    module
+        ``cupy`` for CuPy arrays, ``numpy`` otherwise.
+    """
+    if is_cupy_array(x):
+        return sys.modules["cupy"]
+    return np
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_available() -> bool:
+    """Return True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, CUDARuntimeError, missing driver ...
+        return False
+
+
+def synchronize(x: Any) -> None:
+    """Wait until every kernel that may write ``x`` has finished.
+
+    MPI reads device buffers outside CUDA's stream order, so a CuPy array must
+    be complete before its pointer is handed to MPI. NumPy arrays need nothing.
+    """
+    if is_cupy_array(x):
+        sys.modules["cupy"].cuda.get_current_stream().synchronize()
+
+
+def _loaded_mpi_library() -> ctypes.CDLL | None:
+    """Open the MPI shared library that mpi4py already loaded, or None."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
+    except OSError:
+        return None
+    # libmpi.so (Open MPI, MPICH) before helper libraries such as libmpi_mpifh.
+    for path in sorted(paths, key=lambda p: (os.path.basename(p).count("_"), p)):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def mpi_library_cuda_support() -> bool | None:
+    """Ask the loaded MPI library whether it accepts CUDA device pointers.
+
+    Open MPI answers through ``MPIX_Query_cuda_support`` and MPICH through
+    ``MPIX_GPU_query_support``. Returns ``None`` when the library offers no
+    such query (the answer is unknown).
+    """
+    lib = _loaded_mpi_library()
+    if lib is None:
+        return None
+    query = getattr(lib, "MPIX_Query_cuda_support", None)
+    if query is not None:
+        query.restype = ctypes.c_int
+        return bool(query())
+    gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
+    if gpu_query is not None:
+        supported = ctypes.c_int(0)
+        mpix_gpu_support_cuda = 0
+        gpu_query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        gpu_query.restype = ctypes.c_int
+        if gpu_query(mpix_gpu_support_cuda, ctypes.byref(supported)) == MPI.SUCCESS:
+            return bool(supported.value)
+    return None
+
+
+def cuda_aware() -> bool:
+    """Return whether CuPy device buffers go to MPI directly.
+
+    Controlled by ``PYMPAR_CUDA_AWARE``: ``1`` forces device buffers, ``0``
+    forces staging through pinned host memory, ``auto`` (the default) asks the
+    MPI library and stages when the answer is unknown.
+    """
+    setting = os.environ.get("PYMPAR_CUDA_AWARE", "auto").strip().lower()
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting != "auto":
+        raise ValueError(f"PYMPAR_CUDA_AWARE must be auto, 0 or 1, not {setting!r}")
+    return bool(mpi_library_cuda_support())
+
+
+def wire_dtype(dtype: Any) -> np.dtype:
+    """Return the dtype whose bytes MPI moves for arrays of ``dtype``.
+
+    Types that MPI cannot name (bfloat16) travel as unsigned integers of the
+    same width: moving data never interprets it.
+    """
+    dtype = np.dtype(dtype)
+    if bfloat16 is not None and dtype == bfloat16:
+        return np.dtype(np.uint16)
+    return dtype
+
+
+def accumulation_dtype(dtype: Any) -> np.dtype:
+    """Return the dtype in which reductions of ``dtype`` are summed.
+
+    Half-precision sums (float16, bfloat16) accumulate in float32 to avoid the
+    rounding error of adding many 11- or 8-bit mantissas.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.float16 or (bfloat16 is not None and dtype == bfloat16):
+        return np.dtype(np.float32)
+    return dtype
+
+
+@functools.lru_cache(maxsize=64)
+def mpi_datatype(dtype: Any) -> MPI.Datatype:
+    """Return the MPI datatype for moving an array of ``dtype``.
+
+    Parameters
+    ----------
+    dtype : numpy dtype or anything ``numpy.dtype`` accepts
+
+    Raises
+    ------
+    TypeError
+        When MPI has no datatype for it.
+    """
+    try:
+        return dtlib.from_numpy_dtype(wire_dtype(dtype))
+    except (ValueError, KeyError) as err:
+        raise TypeError(f"pympar cannot send arrays of dtype {np.dtype(dtype)}: {err}") from None

@@ -1,0 +1,211 @@
+"""``Mesh``: named axes laid over a communicator; every group is a slice of it.
+
+An order string names the axes innermost first: with ``"tp-cp-dp"`` the ``tp``
+coordinate has stride 1, ``cp`` stride ``TP`` and ``dp`` stride ``TP*CP``. The
+rank arithmetic is pure NumPy (:func:`group_ranks`) and needs no MPI, so layouts
+of any world size can be inspected on a laptop; :meth:`Mesh.group` turns one
+slice into a communicator with a single collective ``Comm.Split``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+from mpi4py import MPI
+
+from .group import Group
+
+__all__ = ["Mesh", "parse_order", "group_ranks", "check_sizes"]
+
+
+def check_sizes(sizes: Mapping[str, int]) -> dict[str, int]:
+    """Return ``sizes`` as a dict after checking every size is an integer >= 1.
+
+    Raises
+    ------
+    ValueError
+        When a size is not a positive integer.
+    """
+    checked = {}
+    for axis, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"size of axis {axis!r} must be an integer >= 1, got {size!r}")
+        checked[str(axis)] = int(size)
+    return checked
+
+
+def parse_order(order: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """Return the axes innermost first, as the order string names them.
+
+    Axes of size 1 that the order leaves out are appended as the outermost axes
+    (their position does not change any rank).
+
+    Raises
+    ------
+    ValueError
+        For an unknown or repeated token, or an axis of size > 1 that the order
+        leaves out.
+    """
+    tokens = [t.strip() for t in str(order).split("-")] if order else []
+    unknown = [t for t in tokens if t not in sizes]
+    if unknown:
+        raise ValueError(f"order {order!r} names unknown axis {unknown[0]!r}; "
+                         f"known axes: {', '.join(sizes)}")
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    if repeated:
+        raise ValueError(f"order {order!r} repeats axis {repeated[0]!r}")
+    missing = [a for a, s in sizes.items() if a not in tokens and s > 1]
+    if missing:
+        raise ValueError(f"order {order!r} leaves out axis {missing[0]!r} "
+                         f"of size {sizes[missing[0]]}")
+    return tuple(tokens) + tuple(a for a in sizes if a not in tokens)
+
+
+def group_ranks(sizes: Mapping[str, int], order: str, *axes: str) -> np.ndarray:
+    """Return the global ranks of every group along ``axes``, as pure math.
+
+    Parameters
+    ----------
+    sizes : mapping of str to int
+        Size of each named axis; their product is the world size.
+    order : str
+        Axis names innermost first, joined by ``-``.
+    *axes : str
+        The axes a group spans. Members are ordered by the mesh order (the
+        innermost axis varies fastest), whatever order ``axes`` are given in.
+
+    Returns
+    -------
+    numpy.ndarray
+        Shape ``(number_of_groups, group_size)``, dtype int64. Row ``g`` lists
+        the members of group ``g``; groups are ordered by the remaining axes,
+        innermost fastest, which is also the order of their smallest ranks.
+
+    Examples
+    --------
+    >>> group_ranks({"tp": 2, "cp": 2, "dp": 2}, "tp-cp-dp", "cp").tolist()
+    [[0, 2], [1, 3], [4, 6], [5, 7]]
+    """
+    sizes = check_sizes(sizes)
+    mesh_axes = parse_order(order, sizes)
+    unknown = [a for a in axes if a not in sizes]
+    if unknown:
+        raise ValueError(f"unknown axis {unknown[0]!r}; mesh axes: {', '.join(mesh_axes)}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axes {axes} repeat an axis")
+    outer_first = mesh_axes[::-1]
+    grid = np.arange(math.prod(sizes.values()), dtype=np.int64)
+    grid = grid.reshape([sizes[a] for a in outer_first])
+    spanned = [a for a in outer_first if a in axes]
+    others = [a for a in outer_first if a not in axes]
+    group_size = math.prod(sizes[a] for a in spanned)
+    permutation = [outer_first.index(a) for a in others + spanned]
+    return grid.transpose(permutation).reshape(-1, group_size)
+
+
+class Mesh:
+    """Named axes over a communicator, from which every process group is cut.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm or None
+        The parent communicator (``MPI.COMM_WORLD`` when None). Its ranks are
+        the "global" ranks of every group cut from this mesh.
+    sizes : mapping of str to int
+        Size of each axis, e.g. ``{"tp": 2, "cp": 2, "dp": 2}``. The product
+        must equal the communicator's size.
+    order : str, optional
+        Axis names innermost first, e.g. ``"tp-cp-dp"``; defaults to the order
+        of ``sizes``.
+
+    Attributes
+    ----------
+    comm : mpi4py.MPI.Intracomm
+    sizes : dict of str to int
+    axes : tuple of str
+        Axis names innermost first.
+    rank : int
+        This process's rank in ``comm``.
+    coords : dict of str to int
+        This process's coordinate on each axis.
+
+    Raises
+    ------
+    ValueError
+        For sizes < 1, a bad order string, or sizes whose product is not the
+        communicator's size. The checks are pure arithmetic on arguments every
+        rank passes, so every rank raises the same error.
+    """
+
+    def __init__(self, comm: MPI.Intracomm | None, sizes: Mapping[str, int],
+                 order: str | None = None) -> None:
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.sizes = check_sizes(sizes)
+        self.axes = parse_order("-".join(self.sizes) if order is None else order, self.sizes)
+        world = self.comm.Get_size()
+        product = math.prod(self.sizes.values())
+        if product != world:
+            shape = " x ".join(f"{a}={self.sizes[a]}" for a in self.axes)
+            raise ValueError(f"mesh {shape} holds {product} ranks but the communicator has {world}")
+        self.rank = self.comm.Get_rank()
+        self.coords = self.coords_of(self.rank)
+
+    @property
+    def order(self) -> str:
+        """The axis names innermost first, joined by ``-``."""
+        return "-".join(self.axes)
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the mesh."""
+        return math.prod(self.sizes.values())
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """Return the coordinates of global ``rank`` on every axis."""
+        coords = {}
+        for axis in self.axes:
+            rank, coords[axis] = divmod(rank, self.sizes[axis])
+        return coords
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """Return the global rank at ``coords`` (missing axes count as 0)."""
+        rank, stride = 0, 1
+        for axis in self.axes:
+            rank += coords.get(axis, 0) * stride
+            stride *= self.sizes[axis]
+        return rank
+
+    def group_ranks(self, *axes: str) -> np.ndarray:
+        """Return the global ranks of every group along ``axes`` (see :func:`group_ranks`)."""
+        return group_ranks(self.sizes, self.order, *axes)
+
+    def group(self, *axes: str, key: str | None = None) -> Group:
+        """Create this rank's group along ``axes``; collective over the mesh.
+
+        Every rank of the mesh must call this with the same arguments in the
+        same order, since it splits the parent communicator.
+
+        Parameters
+        ----------
+        *axes : str
+            Axes the group spans; none gives a size-1 group per rank.
+        key : str, optional
+            Name prefix; defaults to the axes joined by ``-``. The group is
+            named ``key`` followed by its members, e.g. ``"dp-cp-0-2-4-6"``.
+
+        Returns
+        -------
+        Group
+        """
+        table = self.group_ranks(*axes)
+        row, column = (int(i) for i in np.argwhere(table == self.rank)[0])
+        members = table[row].tolist()
+        comm = self.comm.Split(color=row, key=column)
+        prefix = key or "-".join(axes) or "self"
+        return Group(comm, "-".join([prefix, *map(str, members)]), members)
+
+    def __repr__(self) -> str:
+        shape = ", ".join(f"{a}={self.sizes[a]}" for a in self.axes)
+        return f"Mesh({shape}; rank {self.rank})"
