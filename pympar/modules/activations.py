@@ -1,0 +1,175 @@
+"""Element-wise activations and dropout with hand-written backward.
+
+The GELU here is written with in-place ``out=`` ufuncs because element-wise NumPy dominates
+its cost: a naive ``x**3`` form was measured 20x slower in float32 (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy
+
+from .core import Module
+
+__all__ = ["GELU", "ReLU", "Dropout"]
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+class GELU(Module):
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    Forward allocates the output and one cached array (the tanh value); backward allocates
+    only ``dx`` and turns the cached array into scratch, which the next forward of the same
+    shape reuses.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spare = None
+
+    def _buffer(self, like: Any) -> Any:
+        from pympar.backend import array_module
+
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
+            if type(spare) is type(like):
+                return spare
+        return array_module(like).empty_like(like)
+
+    def forward(self, x: Any) -> Any:
+        """Apply GELU element-wise."""
+        from pympar.backend import array_module
+
+        xp = array_module(x)
+        t = self._buffer(x)
+        # t = tanh(k * x * (1 + c x^2)); multiplying x*x avoids a slow integer power.
+        xp.multiply(x, x, out=t)
+        t *= _GELU_C
+        t += 1.0
+        t *= x
+        t *= _SQRT_2_OVER_PI
+        xp.tanh(t, out=t)
+        y = xp.add(t, 1.0)
+        y *= x
+        y *= 0.5
+        self.save_for_backward(x, t)
+        return y
+
+    def backward(self, dy: Any) -> Any:
+        """Return ``dy * gelu'(x)``.
+
+        ``gelu'(x) = 0.5 (1 + T) [1 + k x (1 + 3c x^2) (1 - T)]`` with ``T`` the cached tanh,
+        an arrangement that needs no scratch beyond ``dx`` and the cached ``T``.
+        """
+        from pympar.backend import array_module
+
+        x, t = self.saved_tensors()
+        xp = array_module(x)
+        dx = xp.multiply(x, x)
+        dx *= 3.0 * _GELU_C
+        dx += 1.0
+        dx *= x
+        dx *= _SQRT_2_OVER_PI
+        xp.subtract(1.0, t, out=t)  # t = 1 - T
+        dx *= t
+        dx += 1.0
+        xp.subtract(2.0, t, out=t)  # t = 1 + T
+        dx *= t
+        dx *= 0.5
+        dx *= dy
+        self._spare = t
+        return dx
+
+
+class ReLU(Module):
+    """``max(x, 0)``; backward passes ``dy`` where ``x > 0``."""
+
+    def forward(self, x: Any) -> Any:
+        """Apply ReLU element-wise."""
+        from pympar.backend import array_module
+
+        xp = array_module(x)
+        mask = x > 0
+        self.save_for_backward(mask)
+        return xp.multiply(x, mask)
+
+    def backward(self, dy: Any) -> Any:
+        """Return ``dy`` masked by ``x > 0``."""
+        from pympar.backend import array_module
+
+        (mask,) = self.saved_tensors()
+        return array_module(dy).multiply(dy, mask)
+
+
+class Dropout(Module):
+    """Inverted dropout: zero each element with probability ``p``, scale the rest by 1/(1-p).
+
+    The mask is drawn from a Philox stream keyed by ``seed`` and positioned by
+    ``(call counter, rank)``, so a run is reproducible and ranks draw different masks.
+    Masks are drawn on the host (identical for NumPy and CuPy inputs) and copied to the device.
+    In evaluation mode (``.eval()``) forward and backward are the identity.
+
+    Parameters
+    ----------
+    p : float, default 0.5
+        Drop probability, ``0 <= p <= 1``.
+    seed : int, default 0
+        Philox key, ``0 <= seed < 2**64``.
+    rank : int, optional
+        The rank index mixed into the stream (e.g. the tensor-parallel rank when activations
+        are sharded); ``None`` means 0.
+
+    Attributes
+    ----------
+    calls : int
+        Number of training-mode forwards so far (the stream position of the next mask).
+    """
+
+    def __init__(self, p: float = 0.5, seed: int = 0, rank: int | None = None) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"Dropout: p must be in [0, 1], got {p}")
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"Dropout: seed must be in [0, 2**64), got {seed}")
+        self.p = float(p)
+        self.seed = int(seed)
+        self.rank = 0 if rank is None else int(rank)
+        self.calls = 0
+
+    def extra_repr(self) -> str:
+        """Return the constructor arguments shown by ``repr``."""
+        return f"p={self.p}, seed={self.seed}, rank={self.rank}"
+
+    def _mask(self, x: Any) -> Any:
+        from pympar.backend import array_module
+
+        from .init import DROPOUT_STREAM
+
+        counter = [0, self.calls, self.rank, DROPOUT_STREAM]
+        bitgen = numpy.random.Philox(key=self.seed, counter=counter)
+        self.calls += 1
+        # Comparing uniforms in x's float precision keeps the mask draw as cheap as the multiply.
+        draw_dtype = numpy.float64 if x.dtype == numpy.float64 else numpy.float32
+        keep = numpy.random.Generator(bitgen).random(x.shape, dtype=draw_dtype) >= self.p
+        mask = keep.astype(x.dtype)
+        # p == 1 keeps nothing; the scale would be infinite and 0 * inf is nan.
+        mask *= 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
+        return array_module(x).asarray(mask)
+
+    def forward(self, x: Any) -> Any:
+        """Return ``x * mask / (1 - p)`` in training mode, ``x`` in evaluation mode."""
+        if not self.training or self.p == 0.0:
+            self.save_for_backward(None)
+            return x
+        mask = self._mask(x)
+        self.save_for_backward(mask)
+        return x * mask
+
+    def backward(self, dy: Any) -> Any:
+        """Apply the forward's mask (and scale) to ``dy``."""
+        (mask,) = self.saved_tensors()
+        return dy if mask is None else dy * mask

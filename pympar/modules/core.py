@@ -1,0 +1,411 @@
+"""Parameters, the ``Module`` base class and ``Sequential``.
+
+Every layer in pympar has a hand-written backward: ``forward`` caches exactly what ``backward``
+needs, and ``backward(dy)`` returns the input gradient and accumulates (``+=``) parameter
+gradients. There is no autograd tape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, Mapping
+
+__all__ = ["Parameter", "Module", "Sequential"]
+
+
+class Parameter:
+    """A trainable array and its accumulated gradient.
+
+    Parameters
+    ----------
+    data : array
+        The value, a NumPy or CuPy array. Stored as given, not copied.
+    name : str, optional
+        A human-readable name, used in error messages.
+    partition_dim : int, optional
+        The axis along which this array is a shard of a larger logical parameter, or ``None``
+        when it is replicated (or serial).
+    partition_stride : int, default 1
+        How many strided chunks of the partition axis each rank holds (fused weights).
+    group : Group, optional
+        The pympar group whose ranks together hold the full logical parameter.
+
+    Attributes
+    ----------
+    data : array
+        The value; optimizers update it in place.
+    grad : array or None
+        ``None`` until the first :meth:`accumulate_grad`, afterwards an array with the shape,
+        dtype and array module of ``data``.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        name: str | None = None,
+        partition_dim: int | None = None,
+        partition_stride: int = 1,
+        group: Any = None,
+    ) -> None:
+        if partition_stride < 1:
+            raise ValueError(f"Parameter: partition_stride must be >= 1, got {partition_stride}")
+        if partition_dim is not None and not -data.ndim <= partition_dim < data.ndim:
+            raise ValueError(
+                f"Parameter: partition_dim {partition_dim} out of range for shape {data.shape}"
+            )
+        self.data = data
+        self.grad = None
+        self.name = name
+        self.partition_dim = partition_dim
+        self.partition_stride = int(partition_stride)
+        self.group = group
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """tuple of int: Shape of ``data``."""
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """dtype: Data type of ``data``."""
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        """int: Number of elements of ``data``."""
+        return int(self.data.size)
+
+    def accumulate_grad(self, g: Any, *, consume: bool = False) -> None:
+        """Add ``g`` to the gradient, creating it on first use.
+
+        Parameters
+        ----------
+        g : array
+            Gradient contribution, same shape as ``data``.
+        consume : bool, default False
+            When True and no gradient exists yet, keep ``g`` itself as the gradient buffer
+            instead of copying it (saves one weight-sized copy for freshly computed arrays).
+            The caller must not use ``g`` afterwards.
+
+        Raises
+        ------
+        ValueError
+            If ``g`` does not have the shape of ``data``.
+        """
+        if tuple(g.shape) != tuple(self.data.shape):
+            raise ValueError(
+                f"Parameter {self.name or ''}: gradient shape {tuple(g.shape)} does not match "
+                f"parameter shape {tuple(self.data.shape)}"
+            )
+        if self.grad is None:
+            if consume and g.dtype == self.data.dtype and _same_module(g, self.data):
+                self.grad = g
+            else:
+                from pympar.backend import array_module
+
+                # empty_like + assignment keeps data's dtype and array module.
+                grad = array_module(self.data).empty_like(self.data)
+                grad[...] = g
+                self.grad = grad
+        else:
+            self.grad += g
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the gradient.
+
+        Parameters
+        ----------
+        set_to_none : bool, default False
+            False fills an existing gradient with zeros in place (its buffer is kept, so
+            communication buckets and optimizers see a stable array); True drops it to ``None``.
+        """
+        if set_to_none:
+            self.grad = None
+        elif self.grad is not None:
+            self.grad.fill(0)
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.partition_dim is not None:
+            extra = f", partition_dim={self.partition_dim}, stride={self.partition_stride}"
+        label = f"{self.name!r}, " if self.name else ""
+        return f"Parameter({label}shape={self.shape}, dtype={self.dtype}{extra})"
+
+
+def _same_module(a: Any, b: Any) -> bool:
+    # Both are ndarray subclasses of the same library exactly when their types share a module root.
+    return type(a).__module__.split(".")[0] == type(b).__module__.split(".")[0]
+
+
+class Module:
+    """Base class of layers with hand-written backward.
+
+    Subclasses implement ``forward`` (caching what backward needs, e.g. via
+    :meth:`save_for_backward`) and ``backward(dy) -> dx``, which accumulates into every
+    parameter's ``grad``. Assigning a :class:`Parameter` or :class:`Module` to an attribute
+    registers it; registration order fixes the order of :meth:`parameters`.
+
+    Attributes
+    ----------
+    training : bool
+        Training mode flag, toggled by :meth:`train` and :meth:`eval`.
+    """
+
+    def __init__(self) -> None:
+        if "_parameters" in self.__dict__:
+            # Attributes were registered before this call; keep them.
+            return
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_saved", None)
+        object.__setattr__(self, "training", True)
+
+    # -- registration ------------------------------------------------------------------
+    def _registries(self) -> tuple[OrderedDict, OrderedDict]:
+        # Tolerate subclasses that assign attributes before calling Module.__init__.
+        if "_parameters" not in self.__dict__:
+            Module.__init__(self)
+        return self.__dict__["_parameters"], self.__dict__["_modules"]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        params, mods = self._registries()
+        # Re-assigning a name to a different kind of value must unregister the old entry.
+        if not isinstance(value, Parameter):
+            params.pop(name, None)
+        if not isinstance(value, Module):
+            mods.pop(name, None)
+        if isinstance(value, Parameter):
+            if value.name is None:
+                value.name = name
+            params[name] = value
+        elif isinstance(value, Module):
+            mods[name] = value
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        params, mods = self._registries()
+        params.pop(name, None)
+        mods.pop(name, None)
+        object.__delattr__(self, name)
+
+    # -- forward / backward ------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Compute the output and cache what :meth:`backward` needs."""
+        raise NotImplementedError(f"{type(self).__name__}.forward is not implemented")
+
+    def backward(self, dy: Any) -> Any:
+        """Return the input gradient and accumulate parameter gradients."""
+        raise NotImplementedError(f"{type(self).__name__}.backward is not implemented")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def save_for_backward(self, *items: Any) -> None:
+        """Cache ``items`` for the next :meth:`backward` (replaces any earlier cache)."""
+        object.__setattr__(self, "_saved", items)
+
+    def saved_tensors(self) -> tuple:
+        """Return and release the cache of the last forward.
+
+        Releasing it lets activations be freed as soon as backward has used them.
+
+        Raises
+        ------
+        RuntimeError
+            If no forward has run since the last backward.
+        """
+        saved = self.__dict__.get("_saved")
+        if saved is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called before forward")
+        object.__setattr__(self, "_saved", None)
+        return saved
+
+    # -- traversal ---------------------------------------------------------------------
+    def children(self) -> Iterator["Module"]:
+        """Yield direct submodules in registration order, each once."""
+        seen: set[int] = set()
+        for mod in self._registries()[1].values():
+            if id(mod) not in seen:
+                seen.add(id(mod))
+                yield mod
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        """Yield ``(dotted_name, module)`` for this module and every descendant, pre-order."""
+        seen: set[int] = set()
+        stack = [(prefix, self)]
+        while stack:
+            name, mod = stack.pop()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            yield name, mod
+            kids = list(mod._registries()[1].items())
+            stack.extend((f"{name}.{k}" if name else k, m) for k, m in reversed(kids))
+
+    def modules(self) -> Iterator["Module"]:
+        """Yield this module and every descendant, pre-order."""
+        for _, mod in self.named_modules():
+            yield mod
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """Yield ``(dotted_name, parameter)``, e.g. ``("fc1.weight", p)``.
+
+        Order: each module's own parameters in assignment order, then its submodules
+        recursively. A parameter shared by several modules is yielded once.
+        """
+        seen: set[int] = set()
+        for mod_name, mod in self.named_modules(prefix):
+            for pname, p in mod._registries()[0].items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{mod_name}.{pname}" if mod_name else pname), p
+
+    def parameters(self) -> list[Parameter]:
+        """Return all parameters in the deterministic order of :meth:`named_parameters`."""
+        return [p for _, p in self.named_parameters()]
+
+    # -- state -------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset every parameter gradient; see :meth:`Parameter.zero_grad`."""
+        for p in self.parameters():
+            p.zero_grad(set_to_none)
+
+    def train(self, mode: bool = True) -> "Module":
+        """Set the training flag on this module and all descendants; return self."""
+        for mod in self.modules():
+            object.__setattr__(mod, "training", bool(mode))
+        return self
+
+    def eval(self) -> "Module":
+        """Switch to evaluation mode; return self."""
+        return self.train(False)
+
+    def state_dict(self) -> "OrderedDict[str, Any]":
+        """Return an ordered mapping of dotted parameter names to copies of their values."""
+        return OrderedDict((name, p.data.copy()) for name, p in self.named_parameters())
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> tuple[list[str], list[str]]:
+        """Copy values from ``state_dict`` into the parameters, in place.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to array
+            As produced by :meth:`state_dict`; NumPy values may load into CuPy parameters.
+        strict : bool, default True
+            Raise when keys are missing or unexpected; otherwise skip them.
+
+        Returns
+        -------
+        missing, unexpected : list of str
+            Keys absent from ``state_dict`` and keys with no matching parameter.
+
+        Raises
+        ------
+        ValueError
+            On a shape or dtype mismatch (always), or missing/unexpected keys when ``strict``.
+            Nothing is modified when an error is raised.
+        """
+        owners = {}
+        for mod_name, mod in self.named_modules():
+            for pname in mod._registries()[0]:
+                owners[f"{mod_name}.{pname}" if mod_name else pname] = type(mod).__name__
+        named = OrderedDict(self.named_parameters())
+        where = f"{type(self).__name__}.load_state_dict"
+        missing = [k for k in named if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in named]
+        if strict and (missing or unexpected):
+            raise ValueError(f"{where}: missing keys {missing}, unexpected keys {unexpected}")
+        for key, p in named.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            owner = owners.get(key, type(self).__name__)
+            if tuple(value.shape) != p.shape:
+                raise ValueError(
+                    f"{where}: key {key!r} ({owner}) has shape {tuple(value.shape)}, "
+                    f"expected {p.shape}"
+                )
+            if value.dtype != p.dtype:
+                raise ValueError(
+                    f"{where}: key {key!r} ({owner}) has dtype {value.dtype}, expected {p.dtype}"
+                )
+        for key, p in named.items():
+            if key in state_dict:
+                _copy_into(p.data, state_dict[key])
+        return missing, unexpected
+
+    # -- printing ----------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        """Return the text shown inside this module's parentheses in ``repr``."""
+        return ""
+
+    def __repr__(self) -> str:
+        kids = list(self._registries()[1].items())
+        if not kids:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        lines = [f"{type(self).__name__}({self.extra_repr()}"]
+        for name, mod in kids:
+            lines.append("  (" + name + "): " + repr(mod).replace("\n", "\n  "))
+        return "\n".join(lines) + "\n)"
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    # A CuPy source must come to the host explicitly before landing in a NumPy destination.
+    if hasattr(src, "get") and not hasattr(dst, "get"):
+        src = src.get()
+    dst[...] = src
+
+
+class Sequential(Module):
+    """Chain modules: forward runs them in order, backward in reverse.
+
+    Parameters
+    ----------
+    *modules : Module
+        The layers, registered as submodules named ``"0"``, ``"1"``, ...
+    """
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for i, mod in enumerate(modules):
+            if not isinstance(mod, Module):
+                raise TypeError(f"Sequential: argument {i} is {type(mod).__name__}, not a Module")
+            setattr(self, str(i), mod)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, index: int) -> Module:
+        return list(self._modules.values())[index]
+
+    def forward(self, x: Any) -> Any:
+        """Apply every layer in order."""
+        for mod in self._modules.values():
+            x = mod.forward(x)
+        return x
+
+    def backward(self, dy: Any) -> Any:
+        """Back-propagate through every layer in reverse order."""
+        for mod in reversed(self._modules.values()):
+            dy = mod.backward(dy)
+        return dy
+
+
+def as_parameter_list(params: "Module | Iterable[Parameter]") -> list[Parameter]:
+    """Return a de-duplicated list of parameters from a module or an iterable of them."""
+    items = params.parameters() if isinstance(params, Module) else list(params)
+    seen: set[int] = set()
+    out = []
+    for p in items:
+        if not isinstance(p, Parameter):
+            raise TypeError(f"expected Parameter, got {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out

@@ -1,0 +1,172 @@
+"""Optimizers against hand-written torch-semantics formulas; bucketed gradient all-reduce."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pympar.modules import Linear, Parameter, Sequential
+from pympar.optim import SGD, Adam, AdamW, allreduce_gradients
+
+STEPS = 4
+
+
+def make_params():
+    rng = np.random.default_rng(0)
+    return [Parameter(rng.standard_normal((3, 4))), Parameter(rng.standard_normal(5))]
+
+
+def grads_at(step, params):
+    rng = np.random.default_rng(100 + step)
+    return [rng.standard_normal(p.shape) for p in params]
+
+
+def run(optimizer_cls, **kwargs):
+    params = make_params()
+    opt = optimizer_cls(params, **kwargs)
+    for step in range(STEPS):
+        for p, g in zip(params, grads_at(step, params)):
+            p.grad = g
+        opt.step()
+    return [p.data for p in params]
+
+
+def reference(update):
+    """Apply ``update(step, p, g, state) -> p`` per parameter with fresh dict state."""
+    params = [p.data.copy() for p in make_params()]
+    states = [{} for _ in params]
+    for step in range(STEPS):
+        grads = grads_at(step, make_params())
+        params = [update(step + 1, p, g, s) for p, g, s in zip(params, grads, states)]
+    return params
+
+
+def assert_all_close(got, want):
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_sgd_momentum_weight_decay():
+    lr, mom, wd = 0.1, 0.9, 0.01
+
+    def update(t, p, g, s):
+        g = g + wd * p
+        s["buf"] = g if t == 1 else mom * s["buf"] + g
+        return p - lr * s["buf"]
+
+    assert_all_close(run(SGD, lr=lr, momentum=mom, weight_decay=wd), reference(update))
+
+
+def test_sgd_plain():
+    assert_all_close(run(SGD, lr=0.05), reference(lambda t, p, g, s: p - 0.05 * g))
+
+
+def adam_reference(lr, b1, b2, eps, wd, decoupled):
+    def update(t, p, g, s):
+        if decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+        s["m"] = b1 * s.get("m", 0) + (1 - b1) * g
+        s["v"] = b2 * s.get("v", 0) + (1 - b2) * g * g
+        m_hat = s["m"] / (1 - b1**t)
+        v_hat = s["v"] / (1 - b2**t)
+        return p - lr * m_hat / (np.sqrt(v_hat) + eps)
+
+    return reference(update)
+
+
+def test_adam_with_l2():
+    kw = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    assert_all_close(run(Adam, **kw), adam_reference(0.01, 0.8, 0.99, 1e-6, 0.1, False))
+
+
+def test_adamw_decoupled():
+    got = run(AdamW, lr=0.01)
+    assert_all_close(got, adam_reference(0.01, 0.9, 0.999, 1e-8, 0.01, True))
+    # Decoupled decay differs from L2 decay.
+    assert not np.allclose(got[0], run(Adam, lr=0.01, weight_decay=0.01)[0])
+
+
+def test_skips_params_without_grad_and_zero_grad():
+    model = Linear(3, 2, dtype=np.float64)
+    before = model.weight.data.copy()
+    opt = Adam(model, lr=0.1)
+    opt.step()
+    assert np.array_equal(model.weight.data, before)
+    model.weight.grad = np.ones_like(before)
+    opt.step()
+    assert not np.array_equal(model.weight.data, before)
+    assert opt.steps == [1, 0]
+    opt.zero_grad()
+    assert not model.weight.grad.any() and model.bias.grad is None
+
+
+class FakeGroup:
+    """Stands in for a group of ``size`` ranks that all hold the same gradients."""
+
+    def __init__(self, size, honour_out=True):
+        self.size = size
+        self.honour_out = honour_out
+        self.buffers = []
+
+    def all_reduce(self, x, op="sum", out=None):
+        assert op == "sum"
+        self.buffers.append(x)
+        if self.honour_out and out is not None:
+            np.multiply(x, self.size, out=out)
+            return out
+        return x * self.size
+
+
+def mixed_params():
+    """A float64 model plus float32 parameters, with gradients from a real backward."""
+    model = Sequential(Linear(3, 8, dtype=np.float64, seed=1), Linear(8, 2, dtype=np.float64, seed=2))
+    y = model(np.random.default_rng(0).standard_normal((4, 3)))
+    model.backward(np.ones_like(y))
+    extra = [Parameter(np.ones((5, 2), np.float32)), Parameter(np.ones(7, np.float32))]
+    for i, p in enumerate(extra):
+        p.grad = np.arange(p.size, dtype=np.float32).reshape(p.shape) + i
+    params = model.parameters()
+    # Interleave dtypes: bucketing must group them regardless of order.
+    return [params[0], extra[0], params[1], params[2], extra[1], params[3]]
+
+
+@pytest.mark.parametrize("honour_out", [True, False])
+def test_allreduce_gradients_buckets(honour_out):
+    params = mixed_params()
+    expected = [p.grad.copy() for p in params]
+    group = FakeGroup(3, honour_out)
+    allreduce_gradients(params, group)
+    # One bucket per dtype; averaging the sum of 3 identical copies gives the gradient back.
+    assert sorted(b.dtype.name for b in group.buffers) == ["float32", "float64"]
+    for p, g in zip(params, expected):
+        assert p.grad.dtype == p.dtype
+        np.testing.assert_allclose(p.grad, g, rtol=1e-6)
+    first = [id(b) for b in group.buffers]
+    allreduce_gradients(params, group, average=False)
+    assert [id(b) for b in group.buffers[2:]] == first  # buckets are reused
+    for p, g in zip(params, expected):
+        np.testing.assert_allclose(p.grad, 3 * g, rtol=1e-6)
+
+
+def test_allreduce_small_buckets_and_missing_grads():
+    params = [Parameter(np.full((4, 4), float(i))) for i in range(4)]
+    for p in params[:3]:
+        p.grad = p.data.copy()
+    group = FakeGroup(2)
+    allreduce_gradients(params, group, bucket_bytes=200, average=False)
+    # 128-byte gradients with a 200-byte cap: one parameter per bucket.
+    assert len(group.buffers) == 4
+    for i, p in enumerate(params[:3]):
+        np.testing.assert_array_equal(p.grad, 2 * p.data)
+    assert params[3].grad is not None and not params[3].grad.any()
+
+
+def test_allreduce_trivial_groups():
+    p = Parameter(np.ones(3))
+    p.grad = np.ones(3)
+    allreduce_gradients([p], None)
+    group = FakeGroup(1)
+    allreduce_gradients([p], group)
+    assert group.buffers == [] and np.array_equal(p.grad, np.ones(3))
