@@ -1,0 +1,175 @@
+"""The documentation builds with warnings as errors, its pictures follow the code, and the
+cluster scripts it points to are sound.
+
+The Sphinx build runs once, in a subprocess, when the suite runs as a single
+rank (it is the same build on every rank, so more ranks would only repeat it).
+The picture tests are pure rank arithmetic and run everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BUILD_TIMEOUT = 600
+
+# Every module with an API page, and one name its page must show.
+API_PAGES = {
+    "pympar": "initialize_parallel",
+    "backend": "cuda_aware",
+    "group": "Group",
+    "mesh": "group_ranks",
+    "manager": "initialize_parallel",
+    "initializer_3d": "Initializer_3D_Input",
+    "collectives": "all_gather",
+    "mappings": "all_to_all_from_sequence_to_hidden",
+    "debug": "CollectiveMismatchError",
+    "stats": "Recorder",
+    "modules": "ColumnParallelLinear",
+    "optim": "allreduce_gradients",
+}
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _draw_layouts():
+    return _load(ROOT / "scripts" / "draw_layouts.py", "draw_layouts")
+
+
+def _without_launcher_environment() -> dict[str, str]:
+    """This process's environment minus what a launcher set for *this* process.
+
+    A child that inherits a launcher's PMI/PMIx variables would try to join the
+    parent's job when it initializes MPI; without them it starts as a
+    singleton of its own.
+    """
+    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "OMPI_COMM_WORLD",
+                "OMPI_MCA_ess", "OMPI_MCA_orte", "OMPI_MCA_pmix", "OMPI_FILE_LOCATION",
+                "PRTE_", "SLURM_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+
+
+def test_grid_labels_come_from_group_ranks():
+    """The DP x CP x TP picture shows DESIGN.md's worked example (8 ranks, tp=cp=dp=2)."""
+    layout = _draw_layouts().grid_layout(2, 2, 2, "tp-cp-dp")
+    assert layout["groups"] == {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp-cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    }
+    for rank, c in layout["coords"].items():
+        assert rank == c["tp"] + 2 * (c["cp"] + 2 * c["dp"])
+
+
+def test_grid_follows_the_order_string():
+    """Another order moves the labels the same way the mesh moves the ranks."""
+    from pympar.mesh import group_ranks
+
+    sizes = {"tp": 2, "cp": 3, "dp": 2}
+    draw = _draw_layouts()
+    layout = draw.grid_layout(2, 3, 2, "cp-tp-dp")
+    assert draw.rank_formula("cp-tp-dp") == "cp + CP*(tp + TP*dp)"
+    assert layout["groups"]["tp"] == group_ranks(sizes, "cp-tp-dp", "tp").tolist()
+    assert layout["groups"]["tp"][0] == [0, 3]
+    for rank, c in layout["coords"].items():
+        assert rank == c["cp"] + 3 * (c["tp"] + 2 * c["dp"])
+
+
+def test_cube_labels_come_from_group_ranks():
+    """The 3D picture shows DESIGN.md's d=2 groups (each listed once, in any order)."""
+    layout = _draw_layouts().cube_layout(2)
+    expected = {
+        "3d_input": [[0, 2], [4, 6], [1, 3], [5, 7]],
+        "3d_weight": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "3d_output": [[0, 4], [2, 6], [1, 5], [3, 7]],
+        "3d_input_x_weight": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "3d_output_x_weight": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    }
+    assert {mode: sorted(groups) for mode, groups in layout["groups"].items()} == \
+        {mode: sorted(groups) for mode, groups in expected.items()}
+    for rank, (i, j, k) in layout["coords"].items():
+        assert rank == i + 2 * (j + 2 * k)
+
+
+def test_mapping_picture_uses_the_balanced_split():
+    split_blocks = _draw_layouts().split_blocks
+    for n, parts in [(5, 2), (4, 2), (7, 3), (2, 4)]:
+        expected = [list(b) for b in np.array_split(np.arange(n), parts)]
+        assert [list(r) for r in split_blocks(n, parts)] == expected
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                    reason="the docs build runs once, in the single-rank run of the suite")
+def test_docs_build_without_warnings(tmp_path):
+    pytest.importorskip("sphinx")
+    pytest.importorskip("numpydoc")
+    out = tmp_path / "html"
+    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
+               "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)]
+    env = _without_launcher_environment()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("MPLBACKEND", "Agg")
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"sphinx build did not finish in {BUILD_TIMEOUT} s:\n{err.stdout}\n{err.stderr}")
+    assert result.returncode == 0, (f"sphinx -W failed (exit {result.returncode}):\n"
+                                    f"{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+    for page, name in API_PAGES.items():
+        html = (out / "api" / f"{page}.html").read_text(encoding="utf-8")
+        assert f'id="module-{"pympar" if page == "pympar" else "pympar." + page}"' in html, page
+        assert name in html, f"api/{page}.html does not mention {name}"
+    for picture in ("layout_tp_cp_dp.png", "cube_3d.png", "mappings.png"):
+        assert (out / "_images" / picture).is_file(), picture
+
+
+SLURM = ROOT / "examples" / "slurm"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_cluster_scripts_parse_and_mark_every_site_line():
+    for name in ("cpu.sbatch", "gpu.sbatch", "mpirun.sh"):
+        script = SLURM / name
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, f"{name}: {result.stderr}"
+        text = script.read_text(encoding="utf-8")
+        for line in text.splitlines():
+            # Site-specific lines (accounts, partitions, modules, paths) must say so.
+            if line.startswith(("#SBATCH --account", "#SBATCH --partition", "module load",
+                                "source ")):
+                assert "# EDIT:" in line, f"{name}: {line!r} lacks an EDIT: mark"
+
+
+def test_gpu_check_runs_on_numpy_arrays():
+    """gpu_check.py's all-reduce check, with NumPy in place of CuPy, on every rank."""
+    gpu_check = _load(SLURM / "gpu_check.py", "gpu_check")
+    assert gpu_check.main(["--cpu", "--mib", "0.01", "--repeats", "2"]) == 0
+
+
+def test_select_gpu_reads_the_launchers_local_rank(monkeypatch):
+    select_gpu = _load(SLURM / "select_gpu.py", "select_gpu")
+    for name in select_gpu.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "0")          # inherited from a batch step ...
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")  # ... but mpirun's own comes first
+    assert select_gpu.local_rank() == (3, "OMPI_COMM_WORLD_LOCAL_RANK")
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
+    assert select_gpu.local_rank() == (0, "SLURM_LOCALID")
