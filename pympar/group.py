@@ -1,10 +1,17 @@
-"""``Group``: one MPI intracommunicator with a name and its members' global ranks."""
+"""``Group``: one MPI intracommunicator with a name and its members' global ranks.
+
+The array collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+``all_to_all``, ``broadcast``) are methods of the group; their bodies live in
+:mod:`pympar.collectives`.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from mpi4py import MPI
+
+from . import collectives as _collectives
 
 __all__ = ["Group"]
 
@@ -33,6 +40,14 @@ class Group:
         This process's position in the group (its local rank).
     size : int
         Number of members.
+
+    Notes
+    -----
+    Collectives: :meth:`all_reduce`, :meth:`all_gather`, :meth:`reduce_scatter`,
+    :meth:`all_to_all` and :meth:`broadcast` take NumPy or CuPy arrays and
+    return arrays of the same module and dtype. Every member must call them in
+    the same order with matching arguments (``PYMPAR_DEBUG=1`` checks it). A
+    group caches MPI counts and scratch buffers, so it is not thread-safe.
     """
 
     def __init__(self, comm: MPI.Intracomm, name: str, ranks: Sequence[int],
@@ -46,9 +61,33 @@ class Group:
             raise ValueError(f"group {name}: communicator has {self.size} ranks "
                              f"but {len(self.ranks)} global ranks were given")
         self._owns_comm = owns_comm
+        # Per-group caches of the collectives: MPI counts and displacements per
+        # (operation, shape, dtype, axis, sizes), and scratch arrays per
+        # (slot, shape, dtype), so that the hot path computes and allocates
+        # nothing after the first call.
+        self._plans: dict[tuple, Any] = {}
+        self._buffers: dict[tuple, Any] = {}
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank}, size={self.size})"
+
+    # Array collectives (NumPy and CuPy), bound as methods without a wrapper
+    # call so that the hot path stays one Python call deep.
+    all_reduce = _collectives.all_reduce
+    all_gather = _collectives.all_gather
+    reduce_scatter = _collectives.reduce_scatter
+    all_to_all = _collectives.all_to_all
+    broadcast = _collectives.broadcast
+
+    def release_buffers(self) -> None:
+        """Drop the cached scratch arrays and MPI count plans of the collectives.
+
+        They are rebuilt on the next call; use this to return the memory of
+        large temporaries (at most 16 arrays, 2 GiB, per group) after a phase
+        with big messages.
+        """
+        self._plans.clear()
+        self._buffers.clear()
 
     def barrier(self) -> None:
         """Block until every member has reached the barrier."""
@@ -64,3 +103,4 @@ class Group:
         if self._owns_comm and not self.freed:
             self.comm.Free()
         self.comm = MPI.COMM_NULL
+        self.release_buffers()

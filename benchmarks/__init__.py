@@ -1,0 +1,1 @@
+"""Benchmarks of pympar (run as scripts under mpiexec)."""

@@ -1,0 +1,237 @@
+"""Micro-benchmark: pympar collectives and mappings against hand-written mpi4py code.
+
+Run on 2 ranks (any number works; shapes are rounded to even splits)::
+
+    PYTHONPATH=. OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python benchmarks/bench_mappings.py \\
+        [--sizes 1KiB,1MiB,16MiB] [--repeats 15] [--dtype float32] [--json PATH]
+
+Each row times one operation on a per-rank input of the given size. "raw" is the
+same operation written by hand with mpi4py's uppercase buffer calls and, where
+the layout requires it (last-axis gathers and reduce-scatters, all-to-all),
+the NumPy copy that packs or unpacks rank-major blocks; "mpi" is the MPI call
+alone on the same bytes. Both sides reuse the same preallocated buffers (pympar
+through ``out=``) and run interleaved, ABBA (raw first, then pympar first), so
+drift and cache order effects cancel. Each
+sample is a batch of calls between barriers, long enough to time; its time is
+the slowest rank's. The table shows medians over the repeats; ratio and extra
+are medians of adjacent (raw, pympar) pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pympar import mappings  # noqa: E402
+from pympar.collectives import balanced_sizes  # noqa: E402
+from pympar.mesh import Mesh  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
+
+Case = tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any]]
+
+
+def parse_size(text: str) -> int:
+    """``"16MiB"`` -> 16777216."""
+    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 1KiB, 1MiB, 64MiB")
+    return int(match.group(1)) * UNITS[match.group(2).upper()]
+
+
+def show_size(nbytes: int) -> str:
+    for unit, factor in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor} {unit}"
+    return f"{nbytes} B"
+
+
+def cases(group: Any, nbytes: int, dtype: np.dtype) -> list[Case]:
+    """(name, raw, mpi-only, pympar) per operation, on a per-rank input of ``nbytes``."""
+    comm, p, r = group.comm, group.size, group.rank
+    n = max(nbytes // dtype.itemsize, 2 * p * p)
+    # x is [rows, hidden], both multiples of p so that every split is even;
+    # rows * hidden is n rounded down to such a shape.
+    rows = p * max(2, n // (1024 * p))
+    hidden = max(p, n // rows // p * p)
+    hp, rp = hidden // p, rows // p
+    lo = r * hp
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal((rows, hidden)).astype(dtype)
+    full_rows = np.empty((p * rows, hidden), dtype)     # gathered along axis 0
+    full_hidden = np.empty((rows, p * hidden), dtype)   # gathered along the last axis
+    stage = np.empty(p * rows * hidden, dtype)          # raw code's rank-major scratch
+    # The MPI-only calls write elsewhere: a buffer they just warmed would favour raw.
+    mpi_stage = np.empty(p * rows * hidden, dtype)
+    block_rows = np.empty((rp, hidden), dtype)          # my axis-0 block of a sum
+    block_hidden = np.empty((rows, hp), dtype)          # my last-axis block of a sum
+    reduced = np.empty_like(x)
+    seq_to_hidden = np.empty((p * rows, hp), dtype)
+    hidden_to_seq = np.empty((rp, p * hidden), dtype)
+    s_rows, s_hidden = p * rows, p * hidden
+    send = stage[:rows * hidden]
+
+    def gather_hidden_raw() -> None:
+        comm.Allgather(x, stage)
+        np.copyto(full_hidden.reshape(rows, p, hidden),
+                  stage.reshape(p, rows, hidden).transpose(1, 0, 2))
+
+    def pack_hidden() -> None:
+        np.copyto(send.reshape(p, rows, hp), x.reshape(rows, p, hp).transpose(1, 0, 2))
+
+    def reduce_scatter_hidden_raw() -> None:
+        pack_hidden()
+        comm.Reduce_scatter_block(send, block_hidden)
+
+    def seq_to_hidden_raw() -> None:
+        pack_hidden()
+        comm.Alltoall(send, seq_to_hidden)
+
+    def hidden_to_seq_raw() -> None:
+        comm.Alltoall(x, send)
+        np.copyto(hidden_to_seq.reshape(rp, p, hidden),
+                  send.reshape(p, rp, hidden).transpose(1, 0, 2))
+
+    allreduce = lambda: comm.Allreduce(x, reduced, MPI.SUM)  # noqa: E731
+    allgather = lambda: comm.Allgather(x, full_rows)  # noqa: E731
+    allgather_stage = lambda: comm.Allgather(x, mpi_stage)  # noqa: E731
+    reduce_scatter = lambda: comm.Reduce_scatter_block(x, block_rows)  # noqa: E731
+    alltoall = lambda: comm.Alltoall(x, mpi_stage[:rows * hidden])  # noqa: E731
+    keep_hidden = lambda: np.ascontiguousarray(x[:, lo:lo + hp])  # noqa: E731
+    keep_rows = lambda: np.ascontiguousarray(x[r * rp:(r + 1) * rp])  # noqa: E731
+    M = mappings
+    return [
+        ("all_reduce", allreduce, allreduce, lambda: group.all_reduce(x, out=reduced)),
+        ("all_gather axis 0", allgather, allgather,
+         lambda: group.all_gather(x, 0, out=full_rows, sizes=balanced_sizes(s_rows, p))),
+        ("all_gather axis -1", gather_hidden_raw, allgather_stage,
+         lambda: group.all_gather(x, -1, out=full_hidden, sizes=balanced_sizes(s_hidden, p))),
+        ("reduce_scatter axis 0", reduce_scatter, reduce_scatter,
+         lambda: group.reduce_scatter(x, 0, out=block_rows)),
+        ("reduce_scatter axis -1", reduce_scatter_hidden_raw, reduce_scatter,
+         lambda: group.reduce_scatter(x, -1, out=block_hidden)),
+        ("all_to_all seq->hidden", seq_to_hidden_raw, alltoall,
+         lambda: group.all_to_all(x, -1, 0, out=seq_to_hidden, sizes=balanced_sizes(s_rows, p))),
+        ("broadcast", lambda: comm.Bcast(x), lambda: comm.Bcast(x),
+         lambda: group.broadcast(x, 0, out=x)),
+        ("copy_to_all", lambda: x, lambda: x, lambda: M.copy_to_all(x, group)),
+        ("copy_to_all.backward", allreduce, allreduce,
+         lambda: M.copy_to_all.backward(x, group, out=reduced)),
+        ("reduce_from_all", allreduce, allreduce,
+         lambda: M.reduce_from_all(x, group, out=reduced)),
+        ("scatter_to_hidden", keep_hidden, keep_hidden, lambda: M.scatter_to_hidden(x, group)),
+        ("scatter_to_hidden.backward", gather_hidden_raw, allgather_stage,
+         lambda: M.scatter_to_hidden.backward(x, group, out=full_hidden, size=s_hidden)),
+        ("gather_from_hidden", gather_hidden_raw, allgather_stage,
+         lambda: M.gather_from_hidden(x, group, out=full_hidden, size=s_hidden)),
+        ("reduce_scatter_to_hidden", reduce_scatter_hidden_raw, reduce_scatter,
+         lambda: M.reduce_scatter_to_hidden(x, group, out=block_hidden)),
+        ("scatter_to_sequence", keep_rows, keep_rows, lambda: M.scatter_to_sequence(x, group)),
+        ("scatter_to_sequence.backward", allgather, allgather,
+         lambda: M.scatter_to_sequence.backward(x, group, out=full_rows, size=s_rows)),
+        ("gather_from_sequence", allgather, allgather,
+         lambda: M.gather_from_sequence(x, group, out=full_rows, size=s_rows)),
+        ("gather_from_sequence.backward", reduce_scatter, reduce_scatter,
+         lambda: M.gather_from_sequence.backward(x, group, out=block_rows)),
+        ("reduce_scatter_to_sequence", reduce_scatter, reduce_scatter,
+         lambda: M.reduce_scatter_to_sequence(x, group, out=block_rows)),
+        ("all_to_all_from_sequence_to_hidden", seq_to_hidden_raw, alltoall,
+         lambda: M.all_to_all_from_sequence_to_hidden(x, group, out=seq_to_hidden, size=s_rows)),
+        ("all_to_all_from_hidden_to_sequence", hidden_to_seq_raw, alltoall,
+         lambda: M.all_to_all_from_hidden_to_sequence(x, group, out=hidden_to_seq,
+                                                      size=s_hidden)),
+    ]
+
+
+def batch_time(comm: MPI.Comm, fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of a batch, the slowest rank's."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls
+    return comm.allreduce(elapsed, op=MPI.MAX)
+
+
+def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
+            repeats: int, warmup: int) -> dict[str, float]:
+    """Medians over interleaved samples (raw, pympar, mpi; pympar, raw, mpi; ...).
+
+    ``ratio`` and ``extra`` are medians of the per-pair ratios and differences
+    of adjacent raw and pympar samples, which cancels slow drift of the machine.
+    """
+    for fn in (raw, mpi_only, ours):
+        for _ in range(warmup):
+            fn()
+    single = batch_time(comm, ours, 3)
+    # Batches of >= ~2 ms so timer and barrier noise stay small at 1 KiB.
+    calls = comm.bcast(max(1, min(2000, int(2e-3 / max(single, 1e-7)))))
+    raws, ourss, mpis = [], [], []
+    for i in range(repeats):
+        # ABBA: alternate which side runs first, so neither always inherits the
+        # caches (or the drift) the other left behind.
+        if i % 2:
+            ourss.append(batch_time(comm, ours, calls))
+            raws.append(batch_time(comm, raw, calls))
+        else:
+            raws.append(batch_time(comm, raw, calls))
+            ourss.append(batch_time(comm, ours, calls))
+        mpis.append(batch_time(comm, mpi_only, calls))
+    med = statistics.median
+    return {"raw_us": med(raws) * 1e6, "pympar_us": med(ourss) * 1e6, "mpi_us": med(mpis) * 1e6,
+            "ratio": med(o / r for o, r in zip(ourss, raws) if r > 0),
+            "extra_us": med(o - r for o, r in zip(ourss, raws)) * 1e6}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1KiB,1MiB,16MiB",
+                        help="comma-separated bytes per rank, 1KiB .. 64MiB")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--only", default="", help="run the operations whose name contains this")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    dtype = np.dtype(args.dtype)
+    group = Mesh(WORLD, {"w": WORLD.size}).group("w")
+    rows = []
+    for nbytes in sizes:
+        for name, raw, mpi_only, ours in cases(group, nbytes, dtype):
+            if args.only not in name:
+                continue
+            timing = measure(group.comm, raw, mpi_only, ours, args.repeats, args.warmup)
+            rows.append({"op": name, "bytes": nbytes, **timing})
+    if WORLD.rank != 0:
+        return
+    header = f"{'op':36} {'size':>7} {'raw us':>10} {'pympar us':>10} {'ratio':>6} " \
+             f"{'extra us':>9} {'mpi us':>10}"
+    print(f"# {WORLD.size} ranks, {dtype}, median of {args.repeats}; "
+          f"{MPI.Get_library_version().splitlines()[0].strip()}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['op']:36} {show_size(row['bytes']):>7} {row['raw_us']:10.1f} "
+              f"{row['pympar_us']:10.1f} {row['ratio']:6.3f} {row['extra_us']:9.2f} "
+              f"{row['mpi_us']:10.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"ranks": WORLD.size, "dtype": str(dtype), "repeats": args.repeats,
+             "mpi": MPI.Get_library_version().splitlines()[0].strip(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Layout mappings: each a forward layout change and its exact adjoint (the backward).
+
+A mapping is a module-level object used as ``y = m(x, group=None, ...)`` and
+``dx = m.backward(dy, group=None, ...)``. ``group=None`` means the current
+tensor-parallel group (the context-parallel group for the all-to-all pair, see
+:mod:`pympar.manager`). On a group of one rank every mapping returns its input
+object itself, without a copy.
+
+Layouts: "sequence" is axis 0 and "hidden" the last axis. A *replicated* array
+is one logical value held by every rank; a *sharded* array is the tuple of the
+ranks' blocks (balanced rule of ``numpy.array_split``: the first ``n % p`` ranks
+hold one more); a *partial* array is the tuple of per-rank values whose sum is
+meant. Each backward is the adjoint of its forward in these terms:
+``<m(x), y> == <x, m.backward(y)>``, replicated arrays counted once, sharded and
+partial arrays summed over ranks.
+
+Mappings that gather take ``size=``, the global extent of the gathered axis: it
+spares the ranks one small exchange to learn each other's block sizes.
+
+Forward / backward of each mapping:
+
+- ``copy_to_all``: identity / all-reduce.
+- ``reduce_from_all``: all-reduce / identity.
+- ``scatter_to_hidden``: keep my last-axis block / all-gather the last axis.
+- ``gather_from_hidden``: all-gather the last axis / keep my last-axis block.
+- ``reduce_scatter_to_hidden``: reduce-scatter the last axis / all-gather it.
+- ``scatter_to_sequence``: keep my axis-0 block / all-gather axis 0.
+- ``gather_from_sequence``: all-gather axis 0 / reduce-scatter axis 0 (keep my
+  block with ``tensor_parallel_output_grad=False``).
+- ``reduce_scatter_to_sequence``: reduce-scatter axis 0 / all-gather axis 0.
+- ``all_to_all_from_sequence_to_hidden``: ``[S/P, ..., H] -> [S, ..., H/P]`` /
+  the inverse.
+- ``all_to_all_from_hidden_to_sequence``: ``[S, ..., H/P] -> [S/P, ..., H]`` /
+  the inverse.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from . import collectives as _collectives
+from . import debug, manager
+from .collectives import balanced_sizes
+from .group import Group
+
+__all__ = [
+    "Mapping",
+    "copy_to_all",
+    "reduce_from_all",
+    "scatter_to_hidden",
+    "gather_from_hidden",
+    "reduce_scatter_to_hidden",
+    "scatter_to_sequence",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "all_to_all_from_sequence_to_hidden",
+    "all_to_all_from_hidden_to_sequence",
+]
+
+Step = Callable[..., Any]
+SEQUENCE, HIDDEN = 0, -1
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_range(n: int, parts: int, rank: int) -> tuple[int, int]:
+    sizes = balanced_sizes(n, parts)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+# ----------------------------------------------------------------- steps
+# A step is one direction of a mapping: step(group, x, out, sizes, /, **options) -> y,
+# where sizes (every rank's extent of the gathered axis, from size=) is None
+# unless the caller knows them. Positional-only, so no option can collide.
+
+
+def _no_sizes(sizes: Any, what: str) -> None:
+    if sizes is not None:
+        raise TypeError(f"{what} gathers nothing: it takes no size=")
+
+
+def _identity(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+    _no_sizes(sizes, "identity")
+    if out is None:
+        return x
+    out[...] = x
+    return out
+
+
+def _all_reduce(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+    _no_sizes(sizes, "all-reduce")
+    return group.all_reduce(x, "sum", out)
+
+
+def _keep_block(axis: int) -> Step:
+    def keep_block(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+        _no_sizes(sizes, "keep my block")
+        if not x.ndim:
+            raise ValueError("keep my block: the input has no axis to split")
+        ax = axis if axis >= 0 else axis + x.ndim
+        start, stop = _block_range(x.shape[ax], group.size, group.rank)
+        block = x[start:stop] if ax == 0 else x[(slice(None),) * ax + (slice(start, stop),)]
+        if out is None:
+            # A view when already contiguous (axis 0 of a C array), else a C copy.
+            return block if block.flags.c_contiguous else block.copy()
+        out[...] = block
+        return out
+    return keep_block
+
+
+def _gather(axis: int) -> Step:
+    def all_gather(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+        return group.all_gather(x, axis, out, sizes)
+    return all_gather
+
+
+def _reduce_scatter(axis: int) -> Step:
+    def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+        _no_sizes(sizes, "reduce-scatter")
+        return group.reduce_scatter(x, axis, out)
+    return reduce_scatter
+
+
+def _reduce_scatter_or_keep(axis: int) -> Step:
+    reduce, keep = _reduce_scatter(axis), _keep_block(axis)
+
+    def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any = None, /, *,
+                       tensor_parallel_output_grad: bool = True) -> Any:
+        # False: the forward's output was replicated (counted once), so its
+        # adjoint is the plain split, not a sum over ranks.
+        return (reduce if tensor_parallel_output_grad else keep)(group, x, out, sizes)
+    return reduce_scatter
+
+
+def _all_to_all(split_heads: bool) -> Step:
+    def all_to_all(group: Group, x: Any, out: Any, sizes: Any = None, /, *,
+                   seq_axis: int = SEQUENCE, head_axis: int = HIDDEN) -> Any:
+        split, concat = (head_axis, seq_axis) if split_heads else (seq_axis, head_axis)
+        return group.all_to_all(x, split, concat, out, sizes)
+    return all_to_all
+
+
+# ----------------------------------------------------------------- mapping
+
+
+class Mapping:
+    """A layout change (``__call__``) and its adjoint (:meth:`backward`).
+
+    Parameters
+    ----------
+    name : str
+        The public name, shown in debug errors and statistics.
+    forward, backward : callable
+        Steps ``step(group, x, out, **options) -> y``.
+    default_group : callable
+        Returns the group used when ``group=None``.
+    doc : str
+        What the mapping does; becomes the object's ``__doc__``.
+    """
+
+    def __init__(self, name: str, forward: Step, backward: Step,
+                 default_group: Callable[[], Group], doc: str) -> None:
+        self.name = name
+        self._forward, self._backward = forward, backward
+        self._default_group = default_group
+        self.__doc__ = doc
+
+    def __repr__(self) -> str:
+        return f"<pympar mapping {self.name}>"
+
+    def __call__(self, x: Any, group: Group | None = None, *, out: Any = None,
+                 size: int | None = None, **options: Any) -> Any:
+        """Apply the forward layout change.
+
+        Parameters
+        ----------
+        x : numpy.ndarray or cupy.ndarray
+            This rank's input.
+        group : Group, optional
+            The group; the current TP group (CP group for the all-to-all pair)
+            when None.
+        out : array, optional
+            Where to write the result (for communicating steps, a buffer
+            reused across calls avoids allocation).
+        size : int, optional
+            For a step that gathers: the global extent of the gathered axis,
+            which spares one small exchange of the ranks' block sizes.
+        **options
+            Mapping-specific keywords (``seq_axis``, ``head_axis``).
+
+        Returns
+        -------
+        array
+            The result, of ``x``'s array module and dtype; ``x`` itself on a
+            group of one rank.
+        """
+        if group is None:
+            group = self._default_group()
+        if group.size == 1:
+            return _identity(group, x, out)
+        sizes = None if size is None else balanced_sizes(size, group.size)
+        if _collectives._hooked:
+            return self._apply_hooked("forward", self._forward, x, group, out, sizes, options)
+        # (Unpacking an empty **options still costs a dict; skip it.)
+        return (self._forward(group, x, out, sizes, **options) if options
+                else self._forward(group, x, out, sizes))
+
+    def backward(self, dy: Any, group: Group | None = None, *, out: Any = None,
+                 size: int | None = None, **options: Any) -> Any:
+        """Apply the adjoint of the forward to the gradient ``dy``.
+
+        Parameters are those of ``__call__``; ``gather_from_sequence`` also
+        takes ``tensor_parallel_output_grad`` (default True).
+
+        Returns
+        -------
+        array
+            The gradient of the forward's input; ``dy`` itself on a group of
+            one rank.
+        """
+        if group is None:
+            group = self._default_group()
+        if group.size == 1:
+            return _identity(group, dy, out)
+        sizes = None if size is None else balanced_sizes(size, group.size)
+        if _collectives._hooked:
+            return self._apply_hooked("backward", self._backward, dy, group, out, sizes, options)
+        return (self._backward(group, dy, out, sizes, **options) if options
+                else self._backward(group, dy, out, sizes))
+
+    def _apply_hooked(self, direction: str, step: Step, x: Any, group: Group, out: Any,
+                      sizes: tuple[int, ...] | None, options: dict[str, Any]) -> Any:
+        """Check that every rank calls the same mapping, and label its collective."""
+        label = f"{self.name}.{direction}"
+        x = _collectives._coerce(x)
+        if debug.is_enabled():
+            given = tuple(sorted(options.items())) + (
+                (("size", sum(sizes)),) if sizes is not None else ())
+            shown = "".join(f", {k}={v!r}" for k, v in given)
+            debug.check(group, ("mapping", label, str(x.dtype), x.ndim, repr(given)),
+                        f"{label}(shape={x.shape}, dtype={x.dtype}{shown})",
+                        debug.get_timeout())
+        saved, _collectives._caller = _collectives._caller, label
+        try:
+            return step(group, x, out, sizes, **options)
+        finally:
+            _collectives._caller = saved
+
+
+def _tp() -> Group:
+    return manager.get_tensor_parallel_group()  # type: ignore[return-value]
+
+
+def _cp() -> Group:
+    return manager.get_context_parallel_group()  # type: ignore[return-value]
+
+
+def _mapping(name: str, forward: Step, backward: Step, doc: str,
+             default_group: Callable[[], Group] = _tp) -> Mapping:
+    return Mapping(name, forward, backward, default_group, doc)
+
+
+copy_to_all = _mapping(
+    "copy_to_all", _identity, _all_reduce,
+    "Forward: identity (a replicated input used by every rank). "
+    "Backward: all-reduce (sum) of the per-rank gradients.")
+reduce_from_all = _mapping(
+    "reduce_from_all", _all_reduce, _identity,
+    "Forward: all-reduce (sum) of per-rank partial results. Backward: identity.")
+scatter_to_hidden = _mapping(
+    "scatter_to_hidden", _keep_block(HIDDEN), _gather(HIDDEN),
+    "Forward: keep my block of the last axis. Backward: all-gather the last axis "
+    "(``size=`` the global extent).")
+gather_from_hidden = _mapping(
+    "gather_from_hidden", _gather(HIDDEN), _keep_block(HIDDEN),
+    "Forward: all-gather the last axis (``size=`` the global extent). "
+    "Backward: keep my block of the last axis.")
+reduce_scatter_to_hidden = _mapping(
+    "reduce_scatter_to_hidden", _reduce_scatter(HIDDEN), _gather(HIDDEN),
+    "Forward: reduce-scatter (sum) along the last axis. Backward: all-gather the last "
+    "axis (``size=`` the global extent).")
+scatter_to_sequence = _mapping(
+    "scatter_to_sequence", _keep_block(SEQUENCE), _gather(SEQUENCE),
+    "Forward: keep my block of axis 0 (a view when ``x`` is C-contiguous). "
+    "Backward: all-gather axis 0 (``size=`` the global extent).")
+gather_from_sequence = _mapping(
+    "gather_from_sequence", _gather(SEQUENCE), _reduce_scatter_or_keep(SEQUENCE),
+    "Forward: all-gather axis 0 (``size=`` the global extent). Backward: reduce-scatter "
+    "axis 0, or keep my block with ``tensor_parallel_output_grad=False`` (when the "
+    "forward's output is used as one replicated value).")
+reduce_scatter_to_sequence = _mapping(
+    "reduce_scatter_to_sequence", _reduce_scatter(SEQUENCE), _gather(SEQUENCE),
+    "Forward: reduce-scatter (sum) along axis 0. Backward: all-gather axis 0 "
+    "(``size=`` the global extent).")
+all_to_all_from_sequence_to_hidden = _mapping(
+    "all_to_all_from_sequence_to_hidden", _all_to_all(True), _all_to_all(False),
+    "Forward: [S/P, ..., H] -> [S, ..., H/P] over the context-parallel group: split the "
+    "head axis (``head_axis``, default last), gather the sequence axis (``seq_axis``, "
+    "default 0; ``size=`` the global S). Backward: the inverse (``size=`` the global H).",
+    _cp)
+all_to_all_from_hidden_to_sequence = _mapping(
+    "all_to_all_from_hidden_to_sequence", _all_to_all(False), _all_to_all(True),
+    "Forward: [S, ..., H/P] -> [S/P, ..., H] over the context-parallel group: split the "
+    "sequence axis, gather the head axis (``size=`` the global H). Backward: the inverse "
+    "(``size=`` the global S).",
+    _cp)

@@ -1,0 +1,179 @@
+"""Communication accounting: calls, bytes and seconds per (group, operation).
+
+Collectives report to every active :class:`Recorder`; with none active the
+collective pays a single branch (a module flag it already checks for debug
+mode). Recorders nest: each one started inside another sees the calls made while
+it is active, and the outer one still sees them too::
+
+    with pympar.stats.record() as rec:
+        y = group.all_reduce(x)
+    print(rec.table())
+
+This module imports nothing from pympar, so the collectives can import it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+__all__ = ["Recorder", "record", "add", "is_recording"]
+
+#: Recorders currently collecting, innermost last.
+_active: list["Recorder"] = []
+
+#: Called with no argument whenever :data:`_active` changes (the collectives
+#: keep one combined "any hook on" flag so their fast path has one branch).
+_listeners: list[Callable[[], None]] = []
+
+_FIELDS = ("calls", "bytes_in", "bytes_out", "seconds")
+
+
+def _notify() -> None:
+    for listener in _listeners:
+        listener()
+
+
+def is_recording() -> bool:
+    """Return whether at least one :class:`Recorder` is active."""
+    return bool(_active)
+
+
+def add(group: str, operation: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
+    """Account one call to every active recorder.
+
+    Parameters
+    ----------
+    group : str
+        Name of the group the operation ran on, e.g. ``"tp-0-1"``.
+    operation : str
+        Collective or mapping name, e.g. ``"all_reduce"``.
+    bytes_in, bytes_out : int
+        Bytes of the input array and of the returned array on this rank.
+    seconds : float
+        Wall-clock time of the call on this rank.
+    """
+    for recorder in _active:
+        recorder.add(group, operation, bytes_in, bytes_out, seconds)
+
+
+class Recorder:
+    """Totals of calls, bytes in, bytes out and seconds per (group, operation).
+
+    A recorder collects while it is active, i.e. inside ``with recorder:``
+    (:func:`record` returns a fresh one). Entering it again later keeps adding
+    to the same totals; :meth:`reset` clears them. Totals are this rank's own:
+    each rank records what it did.
+
+    Attributes
+    ----------
+    rows : dict of (str, str) to list
+        ``(group, operation) -> [calls, bytes_in, bytes_out, seconds]``.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], list[Any]] = {}
+
+    def __enter__(self) -> "Recorder":
+        _active.append(self)
+        _notify()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Remove this exact object (the last occurrence), even if recorders were
+        # exited out of order.
+        for i in range(len(_active) - 1, -1, -1):
+            if _active[i] is self:
+                del _active[i]
+                break
+        _notify()
+
+    def add(self, group: str, operation: str, bytes_in: int, bytes_out: int,
+            seconds: float) -> None:
+        """Account one call (see :func:`add`)."""
+        row = self.rows.get((group, operation))
+        if row is None:
+            self.rows[(group, operation)] = [1, int(bytes_in), int(bytes_out), float(seconds)]
+        else:
+            row[0] += 1
+            row[1] += int(bytes_in)
+            row[2] += int(bytes_out)
+            row[3] += float(seconds)
+
+    def reset(self) -> None:
+        """Forget every total."""
+        self.rows.clear()
+
+    def totals(self) -> dict[str, float]:
+        """Return the sums of every column over all rows."""
+        sums = [0, 0, 0, 0.0]
+        for row in self.rows.values():
+            for i, value in enumerate(row):
+                sums[i] += value
+        return dict(zip(_FIELDS, sums))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the totals as plain data.
+
+        Returns
+        -------
+        dict
+            ``{"rows": [{"group", "operation", "calls", "bytes_in", "bytes_out",
+            "seconds"}, ...], "totals": {...}}``, rows sorted by group then
+            operation.
+        """
+        rows = [{"group": g, "operation": op, **dict(zip(_FIELDS, values))}
+                for (g, op), values in sorted(self.rows.items())]
+        return {"rows": rows, "totals": self.totals()}
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Return :meth:`as_dict` as a JSON string."""
+        return json.dumps(self.as_dict(), indent=indent)
+
+    def table(self) -> str:
+        """Return the totals as an aligned text table with a totals line.
+
+        Returns
+        -------
+        str
+            Columns group, operation, calls, bytes in, bytes out, seconds.
+        """
+        header = ("group", "operation", "calls", "bytes in", "bytes out", "seconds")
+        body = [(g, op, str(c), str(bi), str(bo), f"{s:.6f}")
+                for (g, op), (c, bi, bo, s) in sorted(self.rows.items())]
+        t = self.totals()
+        footer = ("total", "", str(t["calls"]), str(t["bytes_in"]), str(t["bytes_out"]),
+                  f"{t['seconds']:.6f}")
+        lines = [header, *body, footer]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+
+        def fmt(line: tuple[str, ...]) -> str:
+            # Names left-aligned, numbers right-aligned.
+            return "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                             for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join([fmt(header), rule, *map(fmt, body), rule, fmt(footer)])
+
+    def __repr__(self) -> str:
+        t = self.totals()
+        return f"Recorder({len(self.rows)} rows, {t['calls']} calls)"
+
+
+def record() -> Recorder:
+    """Return a new :class:`Recorder` to use as ``with pympar.stats.record() as rec:``.
+
+    Returns
+    -------
+    Recorder
+        Active inside the ``with`` block; its totals stay readable afterwards.
+
+    Examples
+    --------
+    >>> with record() as rec:
+    ...     pass
+    >>> rec.totals()["calls"]
+    0
+    """
+    return Recorder()
+

@@ -1,0 +1,81 @@
+"""Two-rank misuse scenarios that debug mode or the timeout must turn into errors.
+
+Launched by ``tests/test_debug.py`` as::
+
+    scripts/mpirun.sh 2 python -m mpi4py tests/debug_scripts/scenarios.py SCENARIO
+
+with ``PYMPAR_DEBUG=1`` or ``PYMPAR_TIMEOUT=seconds`` in the environment. Every
+rank prints ``[rank R] ErrorName: message`` when it catches a pympar error, then
+re-raises; ``python -m mpi4py`` turns the unhandled exception into an abort of
+the whole job, so the run ends with a non-zero status instead of hanging.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from pympar import mappings
+from pympar.debug import CollectiveMismatchError, CollectiveTimeoutError
+from pympar.mesh import Mesh
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.rank
+
+
+def shapes(group: Any, other: Any) -> None:
+    """Rank 1 passes a (4, 4) array where rank 0 passes (4, 3)."""
+    group.all_reduce(np.zeros((4, 3 + RANK)))
+
+
+def dtypes(group: Any, other: Any) -> None:
+    """Rank 1 passes float32 where rank 0 passes float64."""
+    group.all_reduce(np.zeros(4, np.float64 if RANK == 0 else np.float32))
+
+
+def mappings_differ(group: Any, other: Any) -> None:
+    """Rank 0 calls copy_to_all (no communication), rank 1 reduce_from_all."""
+    mapping = mappings.copy_to_all if RANK == 0 else mappings.reduce_from_all
+    mapping(np.ones((2, 2)), group)
+
+
+def skipped(group: Any, other: Any) -> None:
+    """Rank 1 skips the all_reduce and goes on to an all_gather on another group."""
+    if RANK == 0:
+        group.all_reduce(np.ones(4))
+    else:
+        other.all_gather(np.ones(4), sizes=[4] * other.size)
+
+
+def matching(group: Any, other: Any) -> None:
+    """Legal uneven calls: debug mode must let them through."""
+    x = np.ones((3 - RANK, 3))  # balanced split of 5 rows
+    y = group.all_gather(x)
+    z = mappings.gather_from_sequence.backward(y, group)
+    assert z.shape == x.shape
+
+
+SCENARIOS: dict[str, Callable[[Any, Any], None]] = {
+    f.__name__: f for f in (shapes, dtypes, mappings_differ, skipped, matching)}
+
+
+def main() -> None:
+    scenario = SCENARIOS[sys.argv[1]]
+    mesh = Mesh(WORLD, {"w": WORLD.size})
+    group, other = mesh.group("w"), mesh.group("w", key="aux")
+    try:
+        scenario(group, other)
+    except (CollectiveMismatchError, CollectiveTimeoutError) as err:
+        print(f"[rank {RANK}] {type(err).__name__}: {err}", flush=True)
+        # The first rank to re-raise aborts the job; give the others time to print.
+        time.sleep(1.0)
+        raise
+    print(f"[rank {RANK}] completed", flush=True)
+
+
+if __name__ == "__main__":
+    main()

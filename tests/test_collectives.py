@@ -1,0 +1,397 @@
+"""Group collectives on real MPI ranks against NumPy references built on every rank.
+
+Every rank generates the same global data from a fixed seed and slices its own
+piece with ``numpy.array_split``; results are compared bitwise for data
+movement and to a dtype tolerance for sums. Each test collects its failures
+locally and agrees once at the end, so one bad rank fails every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
+from pympar import backend, collectives
+from pympar.collectives import balanced_sizes
+from pympar.mesh import Mesh
+
+BF16 = backend.bfloat16
+DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)] + (
+    [BF16] if BF16 is not None else [])
+#: Relative tolerance of a sum of a few values rounded once to the dtype.
+RTOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+LAYOUTS = ("C", "F", "strided")
+
+
+# --------------------------------------------------------------------------- shared helpers
+# (test_mappings imports these; only non-test names.)
+
+
+@pytest.fixture(params=["numpy", "cupy-staged", "cupy-aware"])
+def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The array module under test; CuPy both staged and CUDA-aware (skipped without a GPU)."""
+    if request.param == "numpy":
+        return np
+    if not backend.cupy_available():
+        pytest.skip("CuPy with a CUDA device is not available")
+    aware = request.param == "cupy-aware"
+    if aware and not backend.mpi_library_cuda_support():
+        # Device pointers given to an MPI that cannot read them would crash the job.
+        pytest.skip("the MPI library does not report CUDA support")
+    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "1" if aware else "0")
+    import cupy
+    return cupy
+
+
+def dtypes_for(xp: Any) -> list[np.dtype]:
+    """The dtypes an array module can hold (CuPy has no bfloat16)."""
+    return [d for d in DTYPES if xp is np or d != BF16]
+
+
+def random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Host array of ``dtype`` from a standard normal (exactly representable after the cast)."""
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def laid_out(a: np.ndarray, layout: str, xp: Any) -> Any:
+    """``a`` on ``xp`` as a C-ordered, Fortran-ordered or non-contiguous array."""
+    if layout == "C" or not a.ndim:
+        return xp.array(a, order="C")
+    if layout == "F":
+        return xp.array(a, order="F")
+    big = xp.zeros(a.shape[:-1] + (2 * a.shape[-1] + 1,), a.dtype)
+    view = big[..., 1::2]
+    view[...] = xp.asarray(a)
+    return view
+
+
+def piece(a: np.ndarray, parts: int, axis: int, rank: int) -> np.ndarray:
+    """This rank's block by the balanced rule."""
+    return np.array_split(a, parts, axis=axis)[rank]
+
+
+class Checks:
+    """Collects failures on this rank; :meth:`done` agrees on them over WORLD."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.count = 0
+
+    def equal(self, actual: Any, expected: np.ndarray, what: str) -> None:
+        """Bitwise equality of values, shape and dtype."""
+        self.count += 1
+        a = to_numpy(actual)
+        if a.shape != expected.shape or a.dtype != expected.dtype \
+                or a.tobytes() != np.ascontiguousarray(expected).tobytes():
+            self.failures.append(f"{what}: got {a.dtype}{a.shape}, expected "
+                                 f"{expected.dtype}{expected.shape}, values differ")
+
+    def close(self, actual: Any, expected: np.ndarray, what: str, rtol: float | None = None) -> None:
+        """Equal shape and dtype, values within the dtype's tolerance."""
+        self.count += 1
+        a = to_numpy(actual)
+        rtol = RTOL[expected.dtype.name] if rtol is None else rtol
+        if a.shape != expected.shape or a.dtype != expected.dtype:
+            self.failures.append(f"{what}: got {a.dtype}{a.shape}, expected "
+                                 f"{expected.dtype}{expected.shape}")
+            return
+        a64, e64 = a.astype(np.float64), expected.astype(np.float64)
+        if not np.allclose(a64, e64, rtol=rtol, atol=rtol):
+            err = float(np.max(np.abs(a64 - e64)))
+            self.failures.append(f"{what}: max abs error {err:.3g} (rtol {rtol})")
+
+    def true(self, ok: bool, what: str) -> None:
+        self.count += 1
+        if not ok:
+            self.failures.append(what)
+
+    def done(self) -> None:
+        agree(not self.failures, f"{len(self.failures)} of {self.count} checks failed: "
+              + "; ".join(self.failures[:6]))
+
+
+@pytest.fixture(scope="module")
+def groups() -> Any:
+    """The whole world and, with >= 4 ranks, TP groups of 2 inside it."""
+    made = {"world": Mesh(WORLD, {"w": WORLD.size}).group("w")}
+    if WORLD.size >= 4 and WORLD.size % 2 == 0:
+        made["tp2"] = Mesh(WORLD, {"tp": 2, "dp": WORLD.size // 2}).group("tp")
+    yield made
+    for group in made.values():
+        group.free()
+
+
+@pytest.fixture(params=["world", "tp2"])
+def group(request: pytest.FixtureRequest, groups: dict) -> Any:
+    """A group: the world, or a TP group of 2 that is not the whole world."""
+    if request.param not in groups:
+        pytest.skip("a TP group of 2 inside the world needs an even world of >= 4 ranks")
+    return groups[request.param]
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_all_reduce(xp, group, op):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(11)
+    check = Checks()
+    reduce = {"sum": np.sum, "max": np.max, "min": np.min}[op]
+    for dtype in dtypes_for(xp):
+        for shape in [(5, 3), (4, 1, 6), ()]:
+            inputs = [random(rng, shape, dtype) for _ in range(p)]
+            exact = reduce(np.stack([a.astype(np.float64) for a in inputs]), axis=0)
+            expected = np.asarray(exact).astype(dtype)
+            for layout in LAYOUTS:
+                x = laid_out(inputs[r], layout, xp)
+                before = to_numpy(x).copy()
+                what = f"{op} {dtype} {shape} {layout}"
+                check.close(group.all_reduce(x, op=op), expected, what)
+                check.equal(x, before, what + " leaves x alone")
+                out = xp.empty(shape, dtype)
+                y = group.all_reduce(x, op, out=out)
+                check.true(y is out, what + " returns out")
+                check.close(out, expected, what + " out=")
+                inplace = laid_out(inputs[r], layout, xp)
+                y = group.all_reduce(inplace, op, out=inplace)
+                check.true(y is inplace, what + " in place returns x")
+                check.close(inplace, expected, what + " in place")
+    check.done()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_reduce_into_noncontiguous_out_and_module_types(xp, group):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(12)
+    inputs = [random(rng, (4, 5), np.float64) for _ in range(p)]
+    expected = np.sum(inputs, axis=0)
+    check = Checks()
+    out = laid_out(np.zeros((4, 5)), "strided", xp)
+    y = group.all_reduce(xp.asarray(inputs[r]), out=out)
+    check.true(y is out, "returns the strided out")
+    check.close(out, expected, "strided out")
+    result = group.all_reduce(xp.asarray(inputs[r]))
+    check.true(type(result) is type(xp.asarray(inputs[r])), "same array module")
+    check.true(result.flags.c_contiguous, "C-contiguous result")
+    check.done()
+
+
+# --------------------------------------------------------------------------- all_gather
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_all_gather_balanced(xp, group, axis):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(21)
+    check = Checks()
+    for dtype in dtypes_for(xp):
+        for shape in [(2 * p, 3, 2 * p), (2 * p + 1, 2, 2 * p + 3), (p - 1 or 1, 1, 3)]:
+            full = random(rng, shape, dtype)
+            mine = piece(full, p, axis, r)
+            n = shape[axis]
+            for layout in LAYOUTS:
+                x = laid_out(mine, layout, xp)
+                what = f"{dtype} {shape} axis {axis} {layout}"
+                check.equal(group.all_gather(x, axis), full, what)
+                out = xp.empty(shape, dtype)
+                y = group.all_gather(x, axis, out=out, sizes=balanced_sizes(n, p))
+                check.true(y is out, what + " returns out")
+                check.equal(out, full, what + " sizes= out=")
+    check.done()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_gather_arbitrary_sizes_and_strided_out(xp, group):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(22)
+    check = Checks()
+    sizes = [(q * 2 + 1) % 4 for q in range(p)]  # not the balanced rule, zeros included
+    for axis in (0, 1, 2):
+        blocks = []
+        for q in range(p):
+            shape = [3, 2, 4]
+            shape[axis] = sizes[q]
+            blocks.append(random(rng, tuple(shape), np.float32))
+        full = np.concatenate(blocks, axis=axis)
+        x = laid_out(blocks[r], "F", xp)
+        check.equal(group.all_gather(x, axis), full, f"agreed sizes axis {axis}")
+        check.equal(group.all_gather(x, axis, sizes=sizes), full, f"given sizes axis {axis}")
+        out = laid_out(np.zeros(full.shape, np.float32), "strided", xp)
+        check.true(group.all_gather(x, axis, out=out) is out, "returns strided out")
+        check.equal(out, full, f"strided out axis {axis}")
+    check.done()
+
+
+# --------------------------------------------------------------------------- reduce_scatter
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_reduce_scatter(xp, group, axis):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(31)
+    check = Checks()
+    for dtype in dtypes_for(xp):
+        for shape in [(2 * p, 3, 2 * p), (2 * p + 1, 2, p + 2), (1, 1, 1)]:
+            inputs = [random(rng, shape, dtype) for _ in range(p)]
+            total = np.sum([a.astype(np.float64) for a in inputs], axis=0).astype(dtype)
+            expected = piece(total, p, axis, r)
+            for layout in LAYOUTS:
+                x = laid_out(inputs[r], layout, xp)
+                what = f"{dtype} {shape} axis {axis} {layout}"
+                check.close(group.reduce_scatter(x, axis), expected, what)
+                out = laid_out(np.zeros(expected.shape, dtype), layout, xp)
+                check.true(group.reduce_scatter(x, axis, out=out) is out, what + " returns out")
+                check.close(out, expected, what + " out=")
+            check.close(group.reduce_scatter(xp.asarray(inputs[r]), axis, op="max"),
+                        piece(np.max(inputs, axis=0), p, axis, r), f"{dtype} {shape} max")
+    check.done()
+
+
+# --------------------------------------------------------------------------- all_to_all
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("split_axis,concat_axis", [(1, 0), (0, 1), (2, 0), (0, 2), (-1, 1)])
+def test_all_to_all_and_round_trip(xp, group, split_axis, concat_axis):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(41)
+    check = Checks()
+    for dtype in dtypes_for(xp):
+        for shape in [(2 * p, 2 * p, 2 * p), (2 * p + 1, p + 2, 2 * p + 3), (p - 1 or 1, 3, 1)]:
+            full = random(rng, shape, dtype)
+            # Rank r holds block r along concat_axis; afterwards block r along split_axis.
+            mine = piece(full, p, concat_axis, r)
+            expected = piece(full, p, split_axis, r)
+            n = shape[concat_axis]
+            for layout in LAYOUTS:
+                x = laid_out(mine, layout, xp)
+                what = f"{dtype} {shape} split {split_axis} concat {concat_axis} {layout}"
+                y = group.all_to_all(x, split_axis, concat_axis)
+                check.equal(y, expected, what)
+                out = xp.empty(expected.shape, dtype)
+                check.true(group.all_to_all(x, split_axis, concat_axis, out=out,
+                                            sizes=balanced_sizes(n, p)) is out, what + " out")
+                check.equal(out, expected, what + " sizes= out=")
+                back = group.all_to_all(y, concat_axis, split_axis,
+                                        sizes=balanced_sizes(shape[split_axis], p))
+                check.equal(back, mine, what + " round trip")
+    check.done()
+
+
+# --------------------------------------------------------------------------- broadcast
+
+
+@pytest.mark.mpi(min_size=1)
+def test_broadcast(xp, group):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(51)
+    check = Checks()
+    for dtype in dtypes_for(xp):
+        for root in sorted({0, p - 1}):
+            inputs = [random(rng, (3, 4), dtype) for _ in range(p)]
+            for layout in LAYOUTS:
+                x = laid_out(inputs[r], layout, xp)
+                what = f"{dtype} root {root} {layout}"
+                check.equal(group.broadcast(x, root=root), inputs[root], what)
+                check.equal(x, inputs[r], what + " leaves x alone")
+                y = group.broadcast(x, root, out=x)
+                check.true(y is x, what + " in place returns x")
+                check.equal(x, inputs[root], what + " in place")
+    check.done()
+
+
+# --------------------------------------------------------------------------- errors, limits
+
+
+@pytest.mark.mpi(min_size=1)
+def test_argument_errors_raise_on_every_rank(group):
+    x = np.zeros((4, 3))
+    raises_everywhere(ValueError, "op must be one of", group.all_reduce, x, op="prod")
+    raises_everywhere(ValueError, "out has shape", group.all_reduce, x, out=np.zeros((3, 4)))
+    raises_everywhere(TypeError, "out is a", group.all_reduce, x, out=[0.0])
+    raises_everywhere(ValueError, "axis 3 is out of range", group.all_gather, x, 3)
+    raises_everywhere(ValueError, "sizes", group.all_gather, x, 0,
+                      sizes=[4] * (group.size + 1))
+    raises_everywhere(ValueError, "must differ", group.all_to_all, x, 1, -1)
+    raises_everywhere(ValueError, "root", group.broadcast, x, root=group.size)
+    raises_everywhere(ValueError, "at least one dimension", group.all_gather, np.float64(1.0))
+    if group.size > 1:
+        # Without sizes= the ranks agree on extents, and on the other dims on the way.
+        ragged = np.zeros((2, 3 + (group.rank == 1)))
+        raises_everywhere(ValueError, r"ranks \[1\] disagree with rank 0", group.all_gather,
+                          ragged, 0)
+        raises_everywhere(ValueError, "disagree", group.all_to_all, ragged.T.copy(), 0, 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_large_count_check_logic():
+    limit = collectives.INT_MAX
+    collectives.check_count(limit, "all_reduce", mpi_version=(3, 1))
+    collectives.check_count(limit + 1, "all_reduce", mpi_version=(4, 0))
+    with pytest.raises(ValueError, match=r"all_gather: a count of 2147483648 .* MPI-4"):
+        collectives.check_count(limit + 1, "all_gather", mpi_version=(3, 1))
+    assert collectives.large_counts_supported((4, 1))
+    assert not collectives.large_counts_supported((3, 1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_large_messages_are_refused_before_mpi_without_large_counts(group, monkeypatch):
+    # Pretend int counts stop at 10 elements and the library is MPI-3: every
+    # collective must refuse with ValueError on every rank, before calling MPI.
+    monkeypatch.setattr(collectives, "INT_MAX", 10)
+    monkeypatch.setattr(collectives, "large_counts_supported", lambda version=None: False)
+    group._plans.clear()
+    x = np.zeros((group.size, 11))
+    if group.size > 1:
+        raises_everywhere(ValueError, "exceeds 10", group.all_reduce, x)
+        raises_everywhere(ValueError, "exceeds 10", group.all_gather, x, 1,
+                          sizes=[11] * group.size)
+        raises_everywhere(ValueError, "exceeds 10", group.reduce_scatter, x, 1)
+        raises_everywhere(ValueError, "exceeds 10", group.all_to_all, x, 0, 1,
+                          sizes=[11] * group.size)
+        raises_everywhere(ValueError, "exceeds 10", group.broadcast, x)
+    group._plans.clear()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hot_path_reuses_plans_and_buffers(group):
+    x = np.ones((6, 4), np.float16)
+    out = np.empty((6, 4 * group.size), np.float16)
+    for _ in range(3):
+        group.all_reduce(x)
+        group.all_gather(x, 1, out=out, sizes=[4] * group.size)
+    buffers = dict(group._buffers)
+    plans = dict(group._plans)
+    group.all_reduce(x)
+    group.all_gather(x, 1, out=out, sizes=[4] * group.size)
+    same = all(group._buffers[k] is v for k, v in buffers.items())
+    agree(same and group._plans == plans and len(group._buffers) <= collectives._MAX_BUFFERS,
+          "a repeated call allocated new scratch buffers or plans")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_balanced_sizes_matches_array_split():
+    for n in range(0, 12):
+        for parts in range(1, 9):
+            expected = tuple(len(a) for a in np.array_split(np.arange(n), parts))
+            assert balanced_sizes(n, parts) == expected
+
+
+
+@pytest.mark.mpi(min_size=1)
+def test_buffer_cache_is_bounded_and_releasable(group, monkeypatch):
+    monkeypatch.setattr(collectives, "_MAX_BUFFER_BYTES", 4096)
+    group.release_buffers()
+    for n in range(1, 40):
+        group.all_reduce(np.ones((n, 8), np.float16))  # float32 scratch of n * 32 bytes
+    sizes = [b.nbytes for b in group._buffers.values()]
+    ok = len(sizes) <= collectives._MAX_BUFFERS and sum(sizes) <= 4096
+    group.release_buffers()
+    agree(ok and not group._buffers and not group._plans, f"cached {sizes}")

@@ -1,0 +1,270 @@
+"""Debug mode and timeouts: mismatches and skipped collectives become errors on every rank.
+
+In-process tests need >= 2 ranks. The end-to-end tests launch a 2-rank job of
+``tests/debug_scripts/scenarios.py`` in a subprocess; they run in the pass
+without a launcher (a world of one rank) so that the launch is not nested.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpi_helpers import WORLD, agree, assert_equal, raises_everywhere
+from pympar import collectives, debug, mappings
+from pympar.debug import CollectiveMismatchError, CollectiveTimeoutError, debug_mode
+from pympar.mesh import Mesh
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def world():
+    group = Mesh(WORLD, {"w": WORLD.size}).group("w")
+    yield group
+    group.free()
+
+
+@pytest.fixture(autouse=True)
+def switches_off():
+    """Every test starts and ends with debug mode and the timeout off."""
+    debug.disable()
+    debug.set_timeout(None)
+    yield
+    debug.disable()
+    debug.set_timeout(None)
+
+
+# --------------------------------------------------------------------------- switches
+
+
+@pytest.mark.mpi(min_size=1)
+def test_switches_and_the_single_hook_flag():
+    assert not debug.is_enabled() and debug.get_timeout() is None
+    assert collectives._hooked is False
+    debug.enable()
+    assert debug.is_enabled() and collectives._hooked
+    debug.disable()
+    assert not collectives._hooked
+    with debug_mode(timeout=2.5):
+        assert debug.is_enabled() and debug.get_timeout() == 2.5 and collectives._hooked
+        with debug_mode(enabled=False):
+            assert not debug.is_enabled() and debug.get_timeout() == 2.5
+    assert not debug.is_enabled() and debug.get_timeout() is None and not collectives._hooked
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            debug.set_timeout(bad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_environment_parsing():
+    assert debug._parse_flag("1") and debug._parse_flag(" yes ") and not debug._parse_flag("")
+    assert not debug._parse_flag("0") and not debug._parse_flag("off")
+    with pytest.raises(ValueError, match="PYMPAR_DEBUG"):
+        debug._parse_flag("maybe")
+    assert debug._parse_timeout("2.5") == 2.5 and debug._parse_timeout("") is None
+    assert debug._parse_timeout("0") is None
+    with pytest.raises(ValueError, match="PYMPAR_TIMEOUT"):
+        debug._parse_timeout("soon")
+    with pytest.raises(ValueError, match="PYMPAR_TIMEOUT"):
+        debug._parse_timeout("-3")
+
+
+# --------------------------------------------------------------------------- mismatches
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_shapes_raise_on_every_rank(world):
+    r = WORLD.rank
+    with debug_mode():
+        err = raises_everywhere(CollectiveMismatchError, f"group '{world.name}'",
+                                world.all_reduce, np.zeros((4, 3 + (r == 1))))
+    text = str(err)
+    agree("ranks [1] differ" in text and "rank 0 (global 0): all_reduce(shape=(4, 3)" in text
+          and "rank 1 (global 1): all_reduce(shape=(4, 4)" in text, text)
+    # The check completed on every rank: the group is still usable.
+    assert_equal(world.all_reduce(np.ones(2)), np.full(2, float(WORLD.size)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_dtypes_and_operations_raise_on_every_rank(world):
+    r = WORLD.rank
+    with debug_mode():
+        raises_everywhere(CollectiveMismatchError, "dtype=float32",
+                          world.all_reduce, np.zeros(4, np.float32 if r == 1 else np.float64))
+        call = world.broadcast if r == 0 else world.all_reduce
+        raises_everywhere(CollectiveMismatchError, "broadcast.*all_reduce|all_reduce.*broadcast",
+                          call, np.zeros(4))
+        raises_everywhere(CollectiveMismatchError, "op='max'",
+                          world.all_reduce, np.zeros(4), "max" if r == 0 else "sum")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_checks_other_dims_but_allows_uneven_axis(world):
+    r = WORLD.rank
+    with debug_mode():
+        y = world.all_gather(np.full((1 + r % 2, 3), float(r)), axis=0)
+        expected = np.concatenate([np.full((1 + q % 2, 3), float(q)) for q in range(WORLD.size)])
+        assert_equal(y, expected)
+        raises_everywhere(CollectiveMismatchError, "all_gather",
+                          world.all_gather, np.zeros((2, 3 + (r == 1))), 0)
+        sizes = [2] * WORLD.size
+        if r == 1:
+            sizes[0] = 3  # rank 1 claims another size for rank 0
+        raises_everywhere(CollectiveMismatchError, "sizes",
+                          world.all_gather, np.zeros((2, 3)), 0, sizes=sizes)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_mappings_on_different_ranks_raise(world):
+    r = WORLD.rank
+    x = np.ones((2, 3))
+    with debug_mode():
+        mapping = mappings.copy_to_all if r == 0 else mappings.reduce_from_all
+        err = raises_everywhere(CollectiveMismatchError, "copy_to_all.forward", mapping, x, world)
+        agree("reduce_from_all.forward" in str(err), str(err))
+        raises_everywhere(CollectiveMismatchError, "tensor_parallel_output_grad",
+                          mappings.gather_from_sequence.backward, np.ones((4, 2)), world,
+                          tensor_parallel_output_grad=(r != 1))
+        # Matching calls pass, and errors name the mapping of a collective.
+        y = mappings.gather_from_sequence(np.ones((1 + r % 2, 2)), world)
+        agree(y.shape == (sum(1 + q % 2 for q in range(WORLD.size)), 2), str(y.shape))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlapping_out_is_refused_in_debug_mode(world):
+    x = np.zeros(8)
+    with debug_mode():
+        raises_everywhere(ValueError, "overlaps", world.all_reduce, x[:4], out=x[2:6])
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+@pytest.mark.mpi(min_size=1)
+def test_collectives_with_a_timeout_give_the_same_results(world):
+    """With a timeout set every collective runs as its non-blocking variant."""
+    p, r = world.size, world.rank
+    rng = np.random.default_rng(3)
+    full = rng.standard_normal((2 * p + 1, 3, p + 2))
+    inputs = [rng.standard_normal(full.shape) for _ in range(p)]
+    mine = np.array_split(full, p, axis=2)[r]
+    blocking = [world.all_reduce(inputs[r]), world.all_gather(mine, 2),
+                world.reduce_scatter(inputs[r], 2), world.all_to_all(mine, 0, 2),
+                world.broadcast(inputs[r], root=p - 1)]
+    for enabled in (False, True):
+        with debug_mode(enabled=enabled, timeout=60.0):
+            timed = [world.all_reduce(inputs[r]), world.all_gather(mine, 2),
+                     world.reduce_scatter(inputs[r], 2), world.all_to_all(mine, 0, 2),
+                     world.broadcast(inputs[r], root=p - 1)]
+        for a, b in zip(timed, blocking):
+            assert_equal(a, b, f"debug={enabled}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_skips_a_collective_times_out():
+    group = Mesh(WORLD, {"w": WORLD.size}).group("w", key="late")
+    error = None
+    if WORLD.rank == 0:
+        start = time.monotonic()
+        with debug_mode(enabled=False, timeout=0.3):
+            try:
+                group.all_reduce(np.ones(3))
+            except CollectiveTimeoutError as err:
+                error = err
+        waited = time.monotonic() - start
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        ok = (error is not None and 0.25 < waited < 10
+              and f"all_reduce on group '{group.name}'" in str(error)
+              and "rank 0 (global 0)" in str(error) and "within 0.3 s" in str(error))
+        # The late ranks join now; the pending request completes.
+        error.request.Wait() if error is not None else None
+        agree(ok, f"no or wrong timeout: {error!r}")
+    else:
+        # With the timeout on too: non-blocking collectives only match non-blocking ones.
+        with debug_mode(enabled=False, timeout=60.0):
+            group.all_reduce(np.ones(3))
+        agree(True)
+    group.free()
+
+
+# --------------------------------------------------------------------------- whole jobs
+
+
+def launch(scenario: str, **env: str) -> tuple[int, str]:
+    """Run a 2-rank job of the scenario script; return (exit status, stdout + stderr)."""
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    found = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec next to the interpreter or on PATH")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PYMPAR_"))}
+    clean.update(MPIEXEC=found, PYMPAR_LAUNCH_TIMEOUT="90",
+                 PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]), **env)
+    command = [str(REPO / "scripts" / "mpirun.sh"), "2", sys.executable, "-m", "mpi4py",
+               str(REPO / "tests" / "debug_scripts" / "scenarios.py"), scenario]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean,
+                          cwd=REPO)
+    return done.returncode, done.stdout + done.stderr
+
+
+def said_by(rank: int, output: str) -> str:
+    """The first line a rank printed (the launcher may glue two ranks' lines together)."""
+    start = output.find(f"[rank {rank}] ")
+    if start < 0:
+        return ""
+    text = output[start + 1:]
+    ends = [i for i in (text.find("\n"), text.find("[rank ")) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+single_process = pytest.mark.skipif(WORLD.size != 1, reason="launches its own 2-rank job; "
+                                    "runs in the pass without a launcher")
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("scenario,env,expected", [
+    ("shapes", {"PYMPAR_DEBUG": "1"},
+     ["CollectiveMismatchError", "group 'w-0-1'", "all_reduce(shape=(4, 3)",
+      "all_reduce(shape=(4, 4)"]),
+    ("dtypes", {"PYMPAR_DEBUG": "1"},
+     ["CollectiveMismatchError", "dtype=float64", "dtype=float32"]),
+    ("mappings_differ", {"PYMPAR_DEBUG": "1"},
+     ["CollectiveMismatchError", "copy_to_all.forward", "reduce_from_all.forward"]),
+])
+def test_debug_mode_ends_a_mismatched_job_with_the_error_on_every_rank(scenario, env, expected):
+    status, output = launch(scenario, **env)
+    assert status != 0, output
+    for rank in (0, 1):
+        message = said_by(rank, output)
+        assert message and all(text in message for text in expected), output
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_timeout_ends_a_job_where_a_rank_skips_a_collective():
+    status, output = launch("skipped", PYMPAR_TIMEOUT="1")
+    assert status != 0, output
+    assert said_by(0, output).startswith("rank 0] CollectiveTimeoutError: all_reduce on group "
+                                         "'w-0-1' did not complete within 1 s on rank 0 "
+                                         "(global 0)"), output
+    assert said_by(1, output).startswith("rank 1] CollectiveTimeoutError: all_gather on group "
+                                         "'aux-0-1' did not complete within 1 s on rank 1 "
+                                         "(global 1)"), output
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_debug_mode_lets_a_correct_job_finish():
+    status, output = launch("matching", PYMPAR_DEBUG="1", PYMPAR_TIMEOUT="30")
+    assert status == 0, output
+    assert "[rank 0] completed" in output and "[rank 1] completed" in output, output

@@ -1,0 +1,212 @@
+"""Layout mappings: forward and backward against NumPy references, adjointness, round trips.
+
+Spaces: R is a replicated array (one logical value), P a tuple of per-rank
+values (partial sums, or per-rank copies), S(a) the tuple of balanced blocks
+along axis ``a``. Every mapping is the identity on logical values except the
+sums (P -> R or S); the expected piece on each rank follows from the kinds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
+from pympar import manager, mappings
+from pympar.mesh import Mesh
+import test_collectives as shared
+from test_collectives import LAYOUTS, Checks, dtypes_for, laid_out, piece, random
+
+# The same fixtures as the collectives' tests: array module and groups.
+xp, groups, group = shared.xp, shared.groups, shared.group
+
+R, P = ("R",), ("P",)
+
+
+def S(axis: int) -> tuple:
+    return ("S", axis)
+
+
+#: case id -> (mapping name, input kind, output kind, fixed options, forward size
+#: axis, backward size axis, global shape). A size axis names the axis the step
+#: gathers (so ``size=`` applies), None when the step does not gather.
+CASES = {
+    "copy_to_all": ("copy_to_all", R, P, {}, None, None, "SBH"),
+    "reduce_from_all": ("reduce_from_all", P, R, {}, None, None, "SBH"),
+    "scatter_to_hidden": ("scatter_to_hidden", R, S(-1), {}, None, -1, "SBH"),
+    "gather_from_hidden": ("gather_from_hidden", S(-1), R, {}, -1, None, "SBH"),
+    "reduce_scatter_to_hidden": ("reduce_scatter_to_hidden", P, S(-1), {}, None, -1, "SBH"),
+    "scatter_to_sequence": ("scatter_to_sequence", R, S(0), {}, None, 0, "SBH"),
+    "gather_from_sequence": ("gather_from_sequence", S(0), P, {}, 0, None, "SBH"),
+    "gather_from_sequence-replicated-grad": ("gather_from_sequence", S(0), R, {}, 0, None, "SBH"),
+    "reduce_scatter_to_sequence": ("reduce_scatter_to_sequence", P, S(0), {}, None, 0, "SBH"),
+    "a2a_seq_to_hidden": ("all_to_all_from_sequence_to_hidden", S(0), S(-1), {}, 0, -1, "SBH"),
+    "a2a_hidden_to_seq": ("all_to_all_from_hidden_to_sequence", S(-1), S(0), {}, -1, 0, "SBH"),
+    "a2a_seq_to_heads": ("all_to_all_from_sequence_to_hidden", S(0), S(2),
+                         {"seq_axis": 0, "head_axis": 2}, 0, 2, "SBND"),
+    "a2a_heads_to_seq": ("all_to_all_from_hidden_to_sequence", S(2), S(0),
+                         {"seq_axis": 0, "head_axis": 2}, 2, 0, "SBND"),
+}
+
+
+def backward_options(case: str) -> dict[str, Any]:
+    return {"tensor_parallel_output_grad": False} if case.endswith("replicated-grad") else {}
+
+
+def shapes(layout: str, p: int) -> list[tuple[int, ...]]:
+    """Even and uneven global shapes ([S, B, H] or [S, B, heads, dim])."""
+    if layout == "SBH":
+        return [(2 * p, 2, 2 * p), (2 * p + 1, 3, p + 2), (p - 1 or 1, 1, 3)]
+    return [(2 * p, 2, 2 * p, 2), (2 * p + 1, 1, p + 1, 3)]
+
+
+def sample(kind: tuple, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator,
+           p: int, r: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(this rank's piece, the logical value, whether the logical value is a sum)."""
+    if kind == P:
+        values = [random(rng, shape, dtype) for _ in range(p)]
+        total = np.sum([v.astype(np.float64) for v in values], axis=0).astype(dtype)
+        return values[r], total, True
+    full = random(rng, shape, dtype)
+    return (full if kind == R else piece(full, p, kind[1], r)), full, False
+
+
+def expected_piece(kind: tuple, value: np.ndarray, p: int, r: int) -> np.ndarray:
+    """What a rank holds of logical ``value`` in layout ``kind``."""
+    return piece(value, p, kind[1], r) if kind[0] == "S" else value
+
+
+def size_option(axis: int | None, shape: tuple[int, ...], give: bool) -> dict[str, int]:
+    return {"size": shape[axis]} if give and axis is not None else {}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_backward_match_numpy(xp, group, case):
+    name, kin, kout, options, fwd_axis, bwd_axis, layout_name = CASES[case]
+    mapping = getattr(mappings, name)
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(7)
+    check = Checks()
+    for dtype in dtypes_for(xp):
+        for shape in shapes(layout_name, p):
+            for give_size in (False, True):
+                mine, value, summed = sample(kin, shape, dtype, rng, p, r)
+                dmine, dvalue, dsummed = sample(kout, shape, dtype, rng, p, r)
+                for layout in LAYOUTS:
+                    what = f"{case} {dtype} {shape} {layout} size={give_size}"
+                    y = mapping(laid_out(mine, layout, xp), group, **options,
+                                **size_option(fwd_axis, shape, give_size))
+                    expect = expected_piece(kout, value, p, r)
+                    (check.close if summed else check.equal)(y, expect, what + " forward")
+                    check.true(type(y) is type(xp.asarray(mine)), what + " forward module")
+                    dx = mapping.backward(laid_out(dmine, layout, xp), group, **options,
+                                          **backward_options(case),
+                                          **size_option(bwd_axis, shape, give_size))
+                    dexpect = expected_piece(kin, dvalue, p, r)
+                    (check.close if dsummed else check.equal)(dx, dexpect, what + " backward")
+    check.done()
+
+
+def inner(kind: tuple, a: Any, b: Any, group: Any) -> float:
+    """Global inner product: replicated counted once, per-rank pieces summed over ranks."""
+    local = float(np.vdot(to_numpy(a).astype(np.float64).ravel(),
+                          to_numpy(b).astype(np.float64).ravel()))
+    return local if kind == R else group.comm.allreduce(local)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_is_the_adjoint(xp, group, case):
+    name, kin, kout, options, fwd_axis, bwd_axis, layout_name = CASES[case]
+    mapping = getattr(mappings, name)
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(8)
+    worst = 0.0
+    for shape in shapes(layout_name, p):
+        for _ in range(2):
+            x, _, _ = sample(kin, shape, np.dtype(np.float64), rng, p, r)
+            y, _, _ = sample(kout, shape, np.dtype(np.float64), rng, p, r)
+            mx = mapping(xp.asarray(x), group, **options)
+            mty = mapping.backward(xp.asarray(y), group, **options, **backward_options(case))
+            lhs, rhs = inner(kout, mx, y, group), inner(kin, x, mty, group)
+            worst = max(worst, abs(lhs - rhs) / max(abs(lhs), abs(rhs), 1e-300))
+    agree(worst <= 1e-12, f"{case}: <m(x), y> and <x, m.backward(y)> differ by {worst:.3g} relative")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("a2a")])
+def test_all_to_all_round_trip_is_bitwise(xp, group, case):
+    name, kin, kout, options, fwd_axis, bwd_axis, layout_name = CASES[case]
+    mapping = getattr(mappings, name)
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(9)
+    check = Checks()
+    for dtype in dtypes_for(xp):
+        for shape in shapes(layout_name, p):
+            x, _, _ = sample(kin, shape, dtype, rng, p, r)
+            for layout in LAYOUTS:
+                back = mapping.backward(mapping(laid_out(x, layout, xp), group, **options),
+                                        group, **options)
+                check.equal(back, x, f"{case} {dtype} {shape} {layout}")
+    check.done()
+
+
+@pytest.fixture(scope="module")
+def solo() -> Any:
+    """A group of one rank on every rank."""
+    group = Mesh(WORLD, {"one": 1, "rest": WORLD.size}).group("one")
+    yield group
+    group.free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_size_one_group_returns_the_input_object(solo):
+    x = np.ones((3, 4))
+    ok = []
+    for case, (name, *_rest) in CASES.items():
+        mapping = getattr(mappings, name)
+        ok.append(mapping(x, solo) is x and mapping.backward(x, solo) is x)
+        out = np.empty_like(x)
+        ok.append(mapping(x, solo, out=out) is out and np.array_equal(out, x))
+    agree(all(ok), "a mapping on a group of one rank copied its input")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_default_group_is_the_current_tp_or_cp_group():
+    manager.destroy_parallel()
+    x = np.arange(24.0).reshape(4, 2, 3)
+    raises_everywhere(RuntimeError, "not initialized", mappings.gather_from_sequence, x)
+    world = WORLD.size
+    layouts = [(world, 1), (1, world)] + ([(2, world // 2)] if world % 2 == 0 and world > 2 else [])
+    check = Checks()
+    try:
+        for tp, cp in layouts:
+            state = manager.initialize_parallel(tp, cp)
+            for name in ("gather_from_sequence", "scatter_to_hidden", "copy_to_all",
+                         "reduce_scatter_to_sequence"):
+                m = getattr(mappings, name)
+                check.equal(m(x), to_numpy(m(x, state.tensor)), f"{name} tp={tp}")
+                check.equal(m.backward(x), to_numpy(m.backward(x, state.tensor)),
+                            f"{name}.backward tp={tp}")
+            a2a = mappings.all_to_all_from_sequence_to_hidden
+            check.equal(a2a(x), to_numpy(a2a(x, state.context)), f"a2a cp={cp}")
+            manager.destroy_parallel()
+    finally:
+        manager.destroy_parallel()
+    check.done()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unknown_option_is_a_type_error(group):
+    x = np.zeros((4, 4))
+    if group.size > 1:
+        raises_everywhere(TypeError, "takes no size", mappings.copy_to_all, x, group, size=4)
+        raises_everywhere(TypeError, "takes no size", mappings.gather_from_sequence.backward,
+                          x, group, size=4)
+        raises_everywhere(TypeError, "keyword", mappings.gather_from_sequence.backward,
+                          x, group, sizes=4)
+        raises_everywhere(TypeError, "keyword", mappings.all_to_all_from_sequence_to_hidden,
+                          x, group, axis=0)
