@@ -9,12 +9,19 @@ other ranks print their own failures to stderr.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
+# The verdict exchange has a communicator of its own, so it can never be matched
+# with a collective that a failing test left half-done on other ranks.
+VERDICT = WORLD.Dup()
+SYNC_TIMEOUT = float(os.environ.get("PYMPAR_TEST_SYNC_TIMEOUT", "180"))
 
 _FAILED = pytest.StashKey[bool]()
 
@@ -36,7 +43,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.when != "teardown" or WORLD.Get_size() == 1:
         return
     failed_here = item.stash.get(_FAILED, False)
-    failed = [r for r, f in enumerate(WORLD.allgather(failed_here)) if f]
+    failed = [r for r, f in enumerate(_exchange_verdicts(failed_here, item.nodeid)) if f]
     if failed and not failed_here:
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} failed on ranks {failed} (see their stderr)"
@@ -47,3 +54,27 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] FAILED {report.nodeid} ({report.when})\n"
                          f"{report.longreprtext}\n")
         sys.stderr.flush()
+
+
+def _exchange_verdicts(failed_here: bool, nodeid: str) -> np.ndarray:
+    """All ranks' verdicts; aborts the job when some rank never arrives.
+
+    A rank that failed early reaches this point while the others may still wait
+    inside one of the test's collectives: they would wait forever, so after
+    ``PYMPAR_TEST_SYNC_TIMEOUT`` seconds the job is aborted with a message.
+    """
+    mine = np.array([failed_here], dtype=np.int8)
+    verdicts = np.zeros(WORLD.Get_size(), dtype=np.int8)
+    request = VERDICT.Iallgather(mine, verdicts)
+    deadline = time.monotonic() + SYNC_TIMEOUT
+    pause = 1e-5
+    while not request.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] {nodeid}: other ranks did not finish "
+                             f"this test within {SYNC_TIMEOUT:.0f} s (a rank failed while others "
+                             "wait in a collective?); aborting the job\n")
+            sys.stderr.flush()
+            WORLD.Abort(1)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return verdicts
