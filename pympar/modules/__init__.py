@@ -20,12 +20,23 @@ from .linear import Linear
 from .activations import GELU, Dropout, ReLU
 from .normalization import LayerNorm
 from .losses import MSELoss, SoftmaxCrossEntropy
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .layers_3d import LayerNorm3D, Layout3D, Linear3D, layout_3d
+from .attention import DistributedAttention, ParallelAttention
 
 __all__ = [
     "Parameter",
     "Module",
     "Sequential",
     "Linear",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "Linear3D",
+    "LayerNorm3D",
+    "Layout3D",
+    "layout_3d",
+    "DistributedAttention",
+    "ParallelAttention",
     "GELU",
     "ReLU",
     "Dropout",

@@ -1,0 +1,214 @@
+"""Multi-head self-attention: sequence-parallel (Ulysses) and tensor-parallel.
+
+Activations are ``[S, B, H]`` (sequence first). :class:`DistributedAttention`
+takes a sequence shard ``[S/P, B, H]`` and uses the all-to-all mappings to
+trade it for a head shard ``[S, B, heads/P, dh]`` around the attention core,
+so every head sees the whole sequence. :class:`ParallelAttention` splits the
+heads over the tensor-parallel group with a fused QKV
+:class:`~pympar.modules.ColumnParallelLinear` and an output
+:class:`~pympar.modules.RowParallelLinear`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy
+
+from .. import mappings
+from ..backend import array_module
+from ..group import Group
+from .core import Module
+from .linear import Linear
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear, resolve_tensor_group
+
+__all__ = ["attention_forward", "attention_backward", "DistributedAttention", "ParallelAttention"]
+
+
+def attention_forward(q: Any, k: Any, v: Any) -> tuple[Any, tuple]:
+    """Softmax attention over axis 0 of ``[S, B, heads, dh]`` arrays.
+
+    Returns
+    -------
+    out : array
+        ``[S, B, heads, dh]``.
+    cache : tuple
+        What :func:`attention_backward` needs.
+    """
+    xp = array_module(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    # [B, heads, S, dh]: batched matmuls over (B, heads)
+    qh, kh, vh = (a.transpose(1, 2, 0, 3) for a in (q, k, v))
+    probs = xp.matmul(qh, kh.swapaxes(-1, -2))
+    probs *= scale
+    probs -= probs.max(axis=-1, keepdims=True)
+    xp.exp(probs, out=probs)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = xp.matmul(probs, vh).transpose(2, 0, 1, 3)
+    return xp.ascontiguousarray(out), (qh, kh, vh, probs, scale)
+
+
+def attention_backward(dout: Any, cache: tuple) -> tuple[Any, Any, Any]:
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_forward`, each ``[S, B, heads, dh]``."""
+    xp = array_module(dout)
+    qh, kh, vh, probs, scale = cache
+    dh = dout.transpose(1, 2, 0, 3)
+    dv = xp.matmul(probs.swapaxes(-1, -2), dh)
+    dscores = xp.matmul(dh, vh.swapaxes(-1, -2))
+    # softmax backward: P * (dP - rowsum(dP * P))
+    dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
+    dscores *= probs
+    dscores *= scale
+    dq = xp.matmul(dscores, kh)
+    dk = xp.matmul(dscores.swapaxes(-1, -2), qh)
+    back = lambda a: xp.ascontiguousarray(a.transpose(2, 0, 1, 3))  # noqa: E731
+    return back(dq), back(dk), back(dv)
+
+
+def _check_heads(layer: str, hidden: int, num_heads: int) -> int:
+    if num_heads < 1 or hidden % num_heads:
+        raise ValueError(f"{layer}: hidden size {hidden} is not divisible by num_heads {num_heads}")
+    return hidden // num_heads
+
+
+class DistributedAttention(Module):
+    """Sequence-parallel multi-head self-attention (DeepSpeed-Ulysses style).
+
+    The input is this rank's sequence block ``[S_local, B, hidden]`` of the
+    context-parallel group. Q, K and V come from one fused projection, one
+    all-to-all turns the sequence shard into a head shard (heads need not
+    divide the group size: they are split by the balanced rule), attention runs
+    on whole sequences, and one all-to-all returns to the sequence shard before
+    the output projection. Projection weights are replicated; their gradients
+    are partial sums over the sequence, to be summed over the context group
+    (e.g. :func:`pympar.optim.allreduce_gradients` over the data-context group).
+
+    Parameters
+    ----------
+    hidden : int
+    num_heads : int
+    group : Group, optional
+        Context-parallel group; the current one by default.
+    bias : bool
+    dtype : dtype
+    seed : int
+        ``seed`` seeds the QKV projection, ``seed + 1`` the output projection.
+    xp : module, optional
+
+    Attributes
+    ----------
+    qkv : Linear
+        ``hidden -> 3*hidden``, rows ordered ``[q; k; v]``, heads contiguous.
+    proj : Linear
+        ``hidden -> hidden``.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, group: Group | None = None, bias: bool = True,
+                 dtype: Any = numpy.float32, seed: int = 0, xp: Any = None) -> None:
+        super().__init__()
+        self.head_dim = _check_heads("DistributedAttention", hidden, num_heads)
+        self.hidden, self.num_heads = int(hidden), int(num_heads)
+        if group is None:
+            from .. import manager
+
+            if not manager.is_initialized():
+                raise RuntimeError("DistributedAttention needs a context-parallel group: call "
+                                   "pympar.manager.initialize_parallel() first or pass group=")
+            group = manager.get_context_parallel_group()
+        self.group = group
+        self.qkv = Linear(hidden, 3 * hidden, bias, dtype=dtype, seed=seed, xp=xp)
+        self.proj = Linear(hidden, hidden, bias, dtype=dtype, seed=seed + 1, xp=xp)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, num_heads={self.num_heads}, group={self.group.name}"
+
+    def forward(self, x: Any) -> Any:
+        """Attend over the whole sequence; ``x`` and the result are ``[S_local, B, hidden]``."""
+        s_local, batch = x.shape[0], x.shape[1]
+        qkv = self.qkv.forward(x).reshape(s_local, batch, 3, self.num_heads, self.head_dim)
+        qkv = mappings.all_to_all_from_sequence_to_hidden(qkv, group=self.group, seq_axis=0,
+                                                          head_axis=3)
+        out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        out = mappings.all_to_all_from_hidden_to_sequence(out, group=self.group, seq_axis=0,
+                                                          head_axis=2)
+        self.save_for_backward(cache, qkv.shape)
+        return self.proj.forward(out.reshape(s_local, batch, self.hidden))
+
+    def backward(self, dy: Any) -> Any:
+        """Return the gradient of the input block; accumulate projection gradients."""
+        cache, qkv_shape = self.saved_tensors()
+        s_local, batch = dy.shape[0], dy.shape[1]
+        dout = self.proj.backward(dy).reshape(s_local, batch, self.num_heads, self.head_dim)
+        dout = mappings.all_to_all_from_hidden_to_sequence.backward(dout, group=self.group,
+                                                                    seq_axis=0, head_axis=2)
+        xp = array_module(dy)
+        dqkv = xp.stack(attention_backward(dout, cache), axis=2)
+        dqkv = mappings.all_to_all_from_sequence_to_hidden.backward(dqkv, group=self.group,
+                                                                    seq_axis=0, head_axis=3)
+        return self.qkv.backward(dqkv.reshape(s_local, batch, 3 * self.hidden))
+
+
+class ParallelAttention(Module):
+    """Tensor-parallel multi-head self-attention built from Column and Row layers.
+
+    Each rank of the tensor-parallel group owns ``num_heads / P`` heads: the
+    fused QKV projection is a :class:`ColumnParallelLinear` with ``stride=3``
+    (every rank holds its heads of Q, K and V), and the output projection a
+    :class:`RowParallelLinear` with ``input_is_parallel=True``. One all-reduce
+    in forward and one in backward (or all-gather / reduce-scatter of the
+    sequence with ``use_sequence_parallel``).
+
+    Parameters
+    ----------
+    hidden, num_heads : int
+        ``num_heads`` must be divisible by the group size.
+    group : Group, optional
+        Tensor-parallel group; the current one by default.
+    use_sequence_parallel : bool
+        Input and output are sequence blocks ``[S_local, B, hidden]``.
+    bias : bool
+    dtype : dtype
+    seed : int
+        ``seed`` seeds QKV, ``seed + 1`` the output projection.
+    xp : module, optional
+    """
+
+    def __init__(self, hidden: int, num_heads: int, group: Group | None = None,
+                 use_sequence_parallel: bool = False, bias: bool = True,
+                 dtype: Any = numpy.float32, seed: int = 0, xp: Any = None) -> None:
+        super().__init__()
+        self.head_dim = _check_heads("ParallelAttention", hidden, num_heads)
+        group = resolve_tensor_group(group, "ParallelAttention")
+        if num_heads % group.size:
+            raise ValueError(f"ParallelAttention: num_heads {num_heads} is not divisible by the "
+                             f"tensor-parallel size {group.size}")
+        self.hidden, self.num_heads = int(hidden), int(num_heads)
+        self.local_heads = num_heads // group.size
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias, gather_output=False,
+                                        use_sequence_parallel=use_sequence_parallel, dtype=dtype,
+                                        group=group, seed=seed, stride=3, xp=xp)
+        self.proj = RowParallelLinear(hidden, hidden, bias, input_is_parallel=True,
+                                      use_sequence_parallel=use_sequence_parallel, dtype=dtype,
+                                      group=group, seed=seed + 1, xp=xp)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, num_heads={self.num_heads}, local_heads={self.local_heads}"
+
+    def forward(self, x: Any) -> Any:
+        """Self-attention of ``x`` (``[S, B, hidden]``, or a sequence block)."""
+        qkv = self.qkv.forward(x)
+        seq, batch = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.reshape(seq, batch, 3, self.local_heads, self.head_dim)
+        out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        self.save_for_backward(cache)
+        return self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
+
+    def backward(self, dy: Any) -> Any:
+        """Return the input gradient; accumulate all projection gradients."""
+        (cache,) = self.saved_tensors()
+        dout = self.proj.backward(dy)
+        seq, batch = dout.shape[0], dout.shape[1]
+        dout = dout.reshape(seq, batch, self.local_heads, self.head_dim)
+        dqkv = array_module(dy).stack(attention_backward(dout, cache), axis=2)
+        return self.qkv.backward(dqkv.reshape(seq, batch, 3 * self.local_heads * self.head_dim))

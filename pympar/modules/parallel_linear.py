@@ -1,0 +1,324 @@
+"""Megatron-style tensor-parallel affine layers with hand-written backward.
+
+``ColumnParallelLinear`` splits the output features over the tensor-parallel
+group, ``RowParallelLinear`` the input features; a Column followed by a Row
+needs one all-reduce in forward and one in backward (or, with sequence
+parallelism, an all-gather and a reduce-scatter of the sequence axis instead).
+Both are built from :mod:`pympar.mappings`, whose backward methods are the exact
+adjoints of their forwards, so each layer's backward is the textbook chain rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import numpy
+
+from .. import mappings
+from ..backend import array_module
+from ..group import Group
+from .core import Module, Parameter
+from .init import InitMethod, bias_init as torch_bias_init, initialize_affine_weight, partition_slices
+from .linear import check_input
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_tensor_group"]
+
+
+def resolve_tensor_group(group: Group | None, layer: str) -> Group:
+    """Return ``group``, or the current tensor-parallel group when it is None.
+
+    Raises
+    ------
+    RuntimeError
+        Naming ``layer`` when no group is given and no parallel state exists.
+    """
+    if group is not None:
+        return group
+    from .. import manager
+
+    if not manager.is_initialized():
+        raise RuntimeError(f"{layer} needs a tensor-parallel group: call "
+                           "pympar.manager.initialize_parallel() first or pass group=")
+    return manager.get_tensor_parallel_group()
+
+
+def _make_bias(kind: str, num_features: int, fan_in: int, tp: int, rank: int, dtype: Any,
+               seed: int, stride: int, layer: str) -> Any:
+    if kind == "uniform":
+        return torch_bias_init(num_features, fan_in, tp, dtype, rank=rank, seed=seed, stride=stride)
+    if kind == "zeros":
+        width = sum(s.stop - s.start for s in partition_slices(num_features, tp, rank, stride))
+        return numpy.zeros(width, dtype=dtype)
+    raise ValueError(f"{layer}: bias_init must be 'uniform' (torch nn.Linear) or 'zeros', "
+                     f"not {kind!r}")
+
+
+def _matmul_into(xp: Any, a2d: Any, b: Any, rows: int, cols: int, dtype: Any) -> Any:
+    out = xp.empty((rows, cols), dtype=dtype)
+    xp.matmul(a2d, b, out=out)
+    return out
+
+
+class _TensorParallelLinear(Module):
+    """Shared parts: group, shapes, input checks and the local affine math."""
+
+    def _setup(self, in_features: int, out_features: int, group: Group | None,
+               dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool) -> None:
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.dtype = numpy.dtype(dtype)
+        self.group = resolve_tensor_group(group, type(self).__name__)
+        self.skip_bias_add = bool(skip_bias_add)
+        self.use_sequence_parallel = bool(use_sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group={self.group.name}, dtype={self.dtype.name}")
+
+    def _local_affine(self, x: Any) -> tuple[Any, Any]:
+        """Return ``x @ W_local.T`` (no bias) and ``x`` as 2-D for the backward cache."""
+        xp = array_module(x)
+        x2d = x.reshape(-1, x.shape[-1])
+        w = self.weight.data
+        y2d = _matmul_into(xp, x2d, w.T, x2d.shape[0], w.shape[0], w.dtype)
+        return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
+
+    def _local_affine_backward(self, dy: Any, x2d: Any, x_shape: tuple) -> Any:
+        """Accumulate ``dW`` from the local output gradient and return ``dy @ W_local``."""
+        xp = array_module(dy)
+        w = self.weight.data
+        dy2d = dy.reshape(-1, w.shape[0])
+        self.weight.accumulate_grad(
+            _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
+        return _matmul_into(xp, dy2d, w, dy2d.shape[0], w.shape[1], w.dtype).reshape(
+            *x_shape[:-1], w.shape[1])
+
+    def _check_grad(self, dy: Any, expected: tuple) -> None:
+        if tuple(dy.shape) != tuple(expected) or dy.dtype != self.dtype:
+            raise ValueError(f"{self!r}: expected output gradient of shape {tuple(expected)} "
+                             f"and dtype {self.dtype.name}, got {tuple(dy.shape)} {dy.dtype}")
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
+    """``y = x @ W.T + b`` with the output features split over the TP group.
+
+    Rank ``r`` holds rows ``r`` of the full ``(out_features, in_features)``
+    weight (balanced split, block ``r`` of :func:`~pympar.modules.partition_slices`)
+    and the matching bias entries.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Full (unsplit) feature counts; ``out_features`` need not divide.
+    bias : bool
+        Whether to learn a bias.
+    gather_output : bool
+        True: all-gather the output so every rank holds ``(..., out_features)``.
+        False: return this rank's ``(..., out_local)`` block (feed it to a
+        :class:`RowParallelLinear` with ``input_is_parallel=True``).
+    use_sequence_parallel : bool
+        The input is split along the sequence (axis 0) over the group; it is
+        all-gathered in forward and the input gradient reduce-scattered.
+    skip_bias_add : bool
+        Do not add the bias; ``forward`` returns ``(y, bias)`` with the bias
+        in the layout of ``y`` (so the caller can fuse it), and ``backward``
+        takes the bias gradient as ``dbias``.
+    init_method : str or callable
+        Weight init, see :func:`~pympar.modules.initialize_affine_weight`;
+        the default has the distribution of ``torch.nn.Linear``.
+    bias_init : {"uniform", "zeros"}
+        ``"uniform"`` is torch ``nn.Linear``'s ``U(-1/sqrt(in), 1/sqrt(in))``.
+    dtype : dtype
+        Parameter and input dtype.
+    group : Group, optional
+        Tensor-parallel group; the current one by default.
+    seed : int
+        Init seed: the shards of all TP sizes come from the same full weight.
+    stride : int
+        Fused parts of the output axis (e.g. 3 for a fused QKV weight); each
+        rank holds its block of every part. Needs ``gather_output=False``.
+    xp : module, optional
+        ``numpy`` (default) or ``cupy``: where the parameters live.
+
+    Attributes
+    ----------
+    weight : Parameter
+        ``(out_local, in_features)``, ``partition_dim=0``.
+    bias : Parameter or None
+        ``(out_local,)``, ``partition_dim=0``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = True, use_sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, init_method: Union[str, InitMethod] = "kaiming_uniform",
+                 bias_init: str = "uniform", dtype: Any = numpy.float32,
+                 group: Group | None = None, seed: int = 0, stride: int = 1,
+                 xp: Any = None) -> None:
+        super().__init__()
+        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
+        if stride > 1 and gather_output:
+            raise ValueError(f"ColumnParallelLinear: stride={stride} keeps fused parts per rank; "
+                             "gathering them would interleave the parts, use gather_output=False")
+        self.gather_output = bool(gather_output)
+        self.stride = int(stride)
+        tp, rank = self.group.size, self.group.rank
+        weight = initialize_affine_weight((self.out_features, self.in_features), tp, 0, init_method,
+                                          self.dtype, rank=rank, seed=seed, stride=self.stride, xp=xp)
+        self.weight = Parameter(weight, partition_dim=0, partition_stride=self.stride,
+                                group=self.group)
+        if bias:
+            b = _make_bias(bias_init, self.out_features, self.in_features, tp, rank, self.dtype,
+                           seed, self.stride, "ColumnParallelLinear")
+            self.bias = Parameter(b if xp is None else xp.asarray(b), partition_dim=0,
+                                  partition_stride=self.stride, group=self.group)
+        else:
+            self.bias = None
+
+    def forward(self, x: Any) -> Any:
+        """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
+        check_input(self, x, self.in_features, self.dtype)
+        if self.use_sequence_parallel:
+            total = mappings.gather_from_sequence(x, group=self.group)
+        else:
+            total = mappings.copy_to_all(x, group=self.group)
+        y, x2d = self._local_affine(total)
+        if self.bias is not None and not self.skip_bias_add:
+            y += self.bias.data
+        self.save_for_backward(x2d, total.shape, x.shape)
+        if self.gather_output:
+            y = mappings.gather_from_hidden(y, group=self.group, size=self.out_features)
+        if not self.skip_bias_add:
+            return y
+        bias = self.bias.data if self.bias is not None else None
+        if bias is not None and self.gather_output:
+            bias = mappings.gather_from_hidden(bias, group=self.group, size=self.out_features)
+        return y, bias
+
+    def backward(self, dy: Any, dbias: Any = None) -> Any:
+        """Return the input gradient; accumulate weight and bias gradients.
+
+        Parameters
+        ----------
+        dy : array
+            Gradient of the output, in the layout ``forward`` returned.
+        dbias : array, optional
+            With ``skip_bias_add``: the gradient of the returned bias.
+        """
+        x2d, total_shape, x_shape = self.saved_tensors()
+        width = self.out_features if self.gather_output else self.weight.data.shape[0]
+        self._check_grad(dy, (*total_shape[:-1], width))
+        if self.gather_output:
+            dy = mappings.gather_from_hidden.backward(dy, group=self.group)
+            if dbias is not None:
+                dbias = mappings.gather_from_hidden.backward(dbias, group=self.group)
+        if self.bias is not None:
+            if not self.skip_bias_add:
+                dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+            if dbias is not None:
+                self.bias.accumulate_grad(dbias)
+        dtotal = self._local_affine_backward(dy, x2d, total_shape)
+        if self.use_sequence_parallel:
+            return mappings.gather_from_sequence.backward(dtotal, group=self.group)
+        return mappings.copy_to_all.backward(dtotal, group=self.group)
+
+
+class RowParallelLinear(_TensorParallelLinear):
+    """``y = x @ W.T + b`` with the input features split over the TP group.
+
+    Rank ``r`` holds columns ``r`` of the full ``(out_features, in_features)``
+    weight (balanced split). Each rank's partial product is summed over the
+    group (all-reduce, or reduce-scatter along the sequence with sequence
+    parallelism) and the full, replicated bias is added after the sum.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Full feature counts; ``in_features`` need not divide.
+    bias : bool
+        Whether to learn a (replicated) bias.
+    input_is_parallel : bool
+        True: the input is already this rank's ``(..., in_local)`` block (e.g.
+        a :class:`ColumnParallelLinear` with ``gather_output=False``). False:
+        the input is replicated and this rank keeps its block.
+    use_sequence_parallel : bool
+        Reduce-scatter the output along the sequence (axis 0) instead of
+        all-reducing it; the bias gradient is then summed over the group.
+    skip_bias_add : bool
+        Return ``(y, bias)`` without adding the bias; ``backward`` then takes
+        ``dbias``.
+    init_method, bias_init, dtype, group, seed, xp
+        As in :class:`ColumnParallelLinear`.
+
+    Attributes
+    ----------
+    weight : Parameter
+        ``(out_features, in_local)``, ``partition_dim=1``.
+    bias : Parameter or None
+        ``(out_features,)``, replicated on every rank of the group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = False, use_sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, init_method: Union[str, InitMethod] = "kaiming_uniform",
+                 bias_init: str = "uniform", dtype: Any = numpy.float32,
+                 group: Group | None = None, seed: int = 0, xp: Any = None) -> None:
+        super().__init__()
+        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
+        self.input_is_parallel = bool(input_is_parallel)
+        tp, rank = self.group.size, self.group.rank
+        weight = initialize_affine_weight((self.out_features, self.in_features), tp, 1, init_method,
+                                          self.dtype, rank=rank, seed=seed, xp=xp)
+        self.weight = Parameter(weight, partition_dim=1, group=self.group)
+        if bias:
+            b = _make_bias(bias_init, self.out_features, self.in_features, 1, 0, self.dtype,
+                           seed, 1, "RowParallelLinear")
+            self.bias = Parameter(b if xp is None else xp.asarray(b))
+        else:
+            self.bias = None
+
+    def forward(self, x: Any) -> Any:
+        """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
+        width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
+        check_input(self, x, width, self.dtype)
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_hidden(x, group=self.group)
+        partial, x2d = self._local_affine(x)
+        if self.use_sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence(partial, group=self.group)
+        else:
+            y = mappings.reduce_from_all(partial, group=self.group)
+        self.save_for_backward(x2d, x.shape, y.shape)
+        if self.skip_bias_add:
+            return y, (self.bias.data if self.bias is not None else None)
+        if self.bias is not None:
+            y += self.bias.data
+        return y
+
+    def backward(self, dy: Any, dbias: Any = None) -> Any:
+        """Return the input gradient (in the input's layout); accumulate gradients.
+
+        Parameters
+        ----------
+        dy : array
+            Gradient of the output, in the layout ``forward`` returned.
+        dbias : array, optional
+            With ``skip_bias_add``: the gradient of the returned bias.
+        """
+        x2d, x_shape, y_shape = self.saved_tensors()
+        self._check_grad(dy, y_shape)
+        if self.bias is not None:
+            if not self.skip_bias_add:
+                dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+            if dbias is not None:
+                if self.use_sequence_parallel:
+                    # Each rank saw only its sequence block; the bias is shared by all rows.
+                    dbias = self.group.all_reduce(dbias)
+                self.bias.accumulate_grad(dbias)
+        if self.use_sequence_parallel:
+            dpartial = mappings.reduce_scatter_to_sequence.backward(dy, group=self.group)
+        else:
+            dpartial = mappings.reduce_from_all.backward(dy, group=self.group)
+        dx = self._local_affine_backward(dpartial, x2d, x_shape)
+        if self.input_is_parallel:
+            return dx
+        return mappings.scatter_to_hidden.backward(dx, group=self.group, size=self.in_features)

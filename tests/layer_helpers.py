@@ -1,0 +1,50 @@
+"""Shared pieces of the layer tests: array modules, tolerances, serial references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from pympar import backend
+from pympar.group import Group
+
+XPS = [pytest.param("numpy", id="numpy"),
+       pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)]
+DTYPES = [pytest.param(np.float64, id="f64"), pytest.param(np.float32, id="f32")]
+
+
+def get_xp(name: str):
+    """The array module for a test parameter; skips cupy without a GPU."""
+    if name == "numpy":
+        return np
+    if not backend.cupy_available():
+        pytest.skip("CuPy with a CUDA device is not available")
+    import cupy
+    return cupy
+
+
+def tolerance(dtype) -> dict:
+    """Comparison tolerances: float64 to ~1e-12, float32 to ~1e-5."""
+    if np.dtype(dtype) == np.float64:
+        return {"rtol": 1e-10, "atol": 1e-12}
+    return {"rtol": 1e-5, "atol": 2e-5}
+
+
+def self_group() -> Group:
+    """A size-1 group of this rank alone: the serial reference of any layer."""
+    return Group(MPI.COMM_SELF, f"self-{MPI.COMM_WORLD.Get_rank()}",
+                 [MPI.COMM_WORLD.Get_rank()], owns_comm=False)
+
+
+def rng_array(seed: int, shape, dtype, xp=np):
+    """The same random array on every rank (generated on the host)."""
+    data = np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+    return data if xp is np else xp.asarray(data)
+
+
+def block(n: int, parts: int, index: int) -> slice:
+    """numpy.array_split's block ``index`` of ``n`` items in ``parts``."""
+    q, r = divmod(n, parts)
+    start = index * q + min(index, r)
+    return slice(start, start + q + (index < r))

@@ -1,0 +1,121 @@
+"""Sequence-parallel (Ulysses) and tensor-parallel attention against serial references."""
+
+import numpy as np
+import pytest
+
+from layer_helpers import block, rng_array, self_group
+from mpi_helpers import WORLD, assert_close, raises_everywhere
+from pympar import manager
+from pympar.modules import DistributedAttention, ParallelAttention
+
+S, B = 7, 2
+
+
+@pytest.fixture
+def clean():
+    manager.destroy_parallel()
+    yield
+    manager.destroy_parallel()
+
+
+def numpy_attention(x, wqkv, bqkv, wo, bo, heads):
+    """Independent reference: plain per-head loops of softmax(q k^T / sqrt(d)) v."""
+    hidden = x.shape[-1]
+    dh = hidden // heads
+    qkv = x @ wqkv.T + bqkv
+    q, k, v = (qkv[..., i * hidden:(i + 1) * hidden] for i in range(3))
+    out = np.empty_like(q)
+    for b in range(x.shape[1]):
+        for h in range(heads):
+            sl = slice(h * dh, (h + 1) * dh)
+            scores = q[:, b, sl] @ k[:, b, sl].T / np.sqrt(dh)
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            out[:, b, sl] = p @ v[:, b, sl]
+    return out @ wo.T + bo
+
+
+def finite_difference(f, x, eps=1e-6):
+    grad = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        plus = f()
+        flat[i] = old - eps
+        minus = f()
+        flat[i] = old
+        gflat[i] = (plus - minus) / (2 * eps)
+    return grad
+
+
+@pytest.mark.mpi(min_size=1)
+def test_serial_attention_matches_numpy_and_finite_differences():
+    hidden, heads = 8, 2
+    layer = DistributedAttention(hidden, heads, group=self_group(), dtype=np.float64, seed=7)
+    x = rng_array(1, (5, B, hidden), np.float64)
+    y = layer.forward(x)
+    ref = numpy_attention(x, layer.qkv.weight.data, layer.qkv.bias.data,
+                          layer.proj.weight.data, layer.proj.bias.data, heads)
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+    w = rng_array(2, y.shape, np.float64)
+    dx = layer.backward(w)
+    loss = lambda: float((layer.forward(x) * w).sum())  # noqa: E731
+    np.testing.assert_allclose(dx, finite_difference(loss, x), rtol=1e-6, atol=1e-7)
+    for p in (layer.qkv.weight, layer.proj.bias):
+        np.testing.assert_allclose(p.grad, finite_difference(loss, p.data), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cp,heads", [(2, 3), (4, 6)], ids=["cp2-heads3", "cp4-heads6"])
+def test_distributed_attention(clean, cp, heads):
+    if WORLD.size % cp:
+        pytest.skip(f"needs a multiple of {cp} ranks")
+    hidden, dtype = 12, np.float64
+    ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=9)
+    x = rng_array(3, (S, B, hidden), dtype)
+    dy = rng_array(4, (S, B, hidden), dtype)
+    y_ref = ref.forward(x)
+    dx_ref = ref.backward(dy)
+    manager.initialize_parallel(context_parallel_size=cp)
+    rows = block(S, cp, manager.get_context_parallel_rank())
+    layer = DistributedAttention(hidden, heads, dtype=dtype, seed=9)
+    y = layer.forward(x[rows])
+    assert_close(y, y_ref[rows], what="forward")
+    assert_close(layer.backward(dy[rows]), dx_ref[rows], what="dx")
+    group = manager.get_context_parallel_group()
+    for (name, p), (_, q) in zip(layer.named_parameters(), ref.named_parameters()):
+        # replicated weights: each rank holds the gradient of its own sequence block
+        assert_close(group.all_reduce(p.grad), q.grad, what=f"sum over cp of {name}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_attention(clean, sp):
+    tp, hidden, heads, dtype = 2, 8, 4, np.float64
+    ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=5)
+    x = rng_array(5, (S, B, hidden), dtype)
+    dy = rng_array(6, (S, B, hidden), dtype)
+    y_ref = ref.forward(x)
+    dx_ref = ref.backward(dy)
+    manager.initialize_parallel(tp)
+    r = manager.get_tensor_parallel_rank()
+    rows = block(S, tp, r) if sp else slice(None)
+    layer = ParallelAttention(hidden, heads, use_sequence_parallel=sp, dtype=dtype, seed=5)
+    y = layer.forward(x[rows])
+    assert_close(y, y_ref[rows], what="forward")
+    assert_close(layer.backward(dy[rows]), dx_ref[rows], what="dx")
+    local = np.concatenate([np.arange(hidden)[block(hidden, tp, r)] + i * hidden for i in range(3)])
+    assert_close(layer.qkv.weight.grad, ref.qkv.weight.grad[local], what="dWqkv")
+    assert_close(layer.qkv.bias.grad, ref.qkv.bias.grad[local], what="dbqkv")
+    assert_close(layer.proj.weight.grad, ref.proj.weight.grad[:, block(hidden, tp, r)], what="dWo")
+    assert_close(layer.proj.bias.grad, ref.proj.bias.grad, what="dbo")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_attention_bad_input(clean):
+    manager.initialize_parallel(2)
+    raises_everywhere(ValueError, "num_heads 3 is not divisible by the tensor-parallel size 2",
+                      ParallelAttention, 12, 3)
+    raises_everywhere(ValueError, "hidden size 10 is not divisible by num_heads 3",
+                      DistributedAttention, 10, 3)
