@@ -36,8 +36,9 @@ test: install
 		scripts/mpirun.sh $$n $(PY) -m mpi4py -m pytest --with-mpi -q tests || exit 1; \
 	done
 
+# The main example: learn the 1D Burgers one-step map on 4 ranks (TP=2 x CP=2).
 demo: install
-	scripts/mpirun.sh 4 $(PY) -m pympar info --tp 2
+	scripts/mpirun.sh 4 $(PY) -m mpi4py examples/burgers.py --tp 2 --cp 2 --out out/burgers
 
 lint: install
 	$(PY) -m pyflakes pympar tests benchmarks examples

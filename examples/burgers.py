@@ -1,0 +1,374 @@
+"""Learn the one-step map of the 1D viscous Burgers equation under DP x CP x TP.
+
+A NumPy finite-difference solver makes the data: random smooth initial fields
+on a periodic grid, advanced by RK4. A small transformer over the grid points
+learns ``u(t) -> u(t + dt)``:
+
+* context (sequence) parallelism splits the grid points over the CP group and
+  runs Ulysses attention (:class:`pympar.modules.DistributedAttention`);
+* tensor parallelism splits each MLP over the TP group (Column -> GELU -> Row),
+  or over a 3D cube with ``--mode 3d`` (Linear3D -> GELU -> Linear3D);
+* data parallelism splits every batch; gradients are summed over the
+  data x context group with :func:`pympar.optim.allreduce_gradients`.
+
+Run ``mpiexec -n 4 python examples/burgers.py --tp 2 --cp 2`` (or with no
+launcher, serially). Rank 0 prints the layout, a progress bar, the loss, the
+validation error against the solver and the throughput, and writes
+``loss.png`` and ``metrics.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from pympar import manager
+from pympar.modules import (GELU, ColumnParallelLinear, DistributedAttention, LayerNorm, Linear,
+                            Linear3D, Module, RowParallelLinear, layout_3d)
+from pympar.optim import AdamW, allreduce_gradients
+
+# ---------------------------------------------------------------- the solver
+
+
+def burgers_rhs(u: np.ndarray, dx: float, nu: float) -> np.ndarray:
+    """``-d(u^2/2)/dx + nu d2u/dx2`` by central differences on a periodic grid (last axis)."""
+    up, um = np.roll(u, -1, axis=-1), np.roll(u, 1, axis=-1)
+    flux = (up * up - um * um) * (0.25 / dx)
+    return nu / (dx * dx) * (up - 2.0 * u + um) - flux
+
+
+def solve_burgers(u0: np.ndarray, dt: float, substeps: int, frames: int, nu: float) -> np.ndarray:
+    """Advance fields ``u0`` (batch, grid) with RK4; return ``(frames + 1, batch, grid)``."""
+    dx = 2.0 * np.pi / u0.shape[-1]
+    h = dt / substeps
+    out = np.empty((frames + 1, *u0.shape))
+    out[0] = u = u0
+    for frame in range(1, frames + 1):
+        for _ in range(substeps):
+            k1 = burgers_rhs(u, dx, nu)
+            k2 = burgers_rhs(u + 0.5 * h * k1, dx, nu)
+            k3 = burgers_rhs(u + 0.5 * h * k2, dx, nu)
+            k4 = burgers_rhs(u + h * k3, dx, nu)
+            u = u + (h / 6.0) * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
+        out[frame] = u
+    return out
+
+
+def random_fields(rng: np.random.Generator, count: int, grid: int, modes: int = 4) -> np.ndarray:
+    """Smooth periodic initial fields: a few random Fourier modes, peak |u| about 1."""
+    x = np.linspace(0.0, 2.0 * np.pi, grid, endpoint=False)
+    k = np.arange(1, modes + 1)
+    amp = rng.standard_normal((count, modes, 2)) / k[None, :, None]
+    u = (amp[..., 0, None] * np.sin(k[None, :, None] * x) +
+         amp[..., 1, None] * np.cos(k[None, :, None] * x)).sum(axis=1)
+    return u / np.abs(u).max(axis=1, keepdims=True)
+
+
+def make_pairs(seed: int, trajectories: int, frames: int, grid: int, dt: float, nu: float):
+    """``(u(t), u(t + dt))`` pairs from solver trajectories, each ``(pairs, grid)``."""
+    rng = np.random.default_rng(seed)
+    traj = solve_burgers(random_fields(rng, trajectories, grid), dt, 10, frames, nu)
+    return traj[:-1].reshape(-1, grid), traj[1:].reshape(-1, grid)
+
+
+# ---------------------------------------------------------------- the model
+
+
+class MLP(Module):
+    """Tensor-parallel MLP: Column -> GELU -> Row (one all-reduce each way)."""
+
+    def __init__(self, hidden: int, ffn: int, dtype, seed: int) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden, ffn, gather_output=False, dtype=dtype, seed=seed)
+        self.act = GELU()
+        self.fc2 = RowParallelLinear(ffn, hidden, input_is_parallel=True, dtype=dtype, seed=seed + 1)
+
+    def forward(self, x):
+        return self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+
+    def backward(self, dy):
+        return self.fc1.backward(self.act.backward(self.fc2.backward(dy)))
+
+
+class MLP3D(Module):
+    """3D tensor-parallel MLP on replicated activations: split, two Linear3D, gather."""
+
+    def __init__(self, hidden: int, ffn: int, dtype, seed: int) -> None:
+        super().__init__()
+        self.layout = layout_3d()
+        self.fc1 = Linear3D(hidden, ffn, dtype=dtype, seed=seed)
+        self.act = GELU()
+        self.fc2 = Linear3D(ffn, hidden, swap=True, dtype=dtype, seed=seed + 1)
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        h = self.fc1.forward(self.layout.split_input(rows))
+        y = self.fc2.layout.gather_output(self.fc2.forward(self.act.forward(h)))
+        return y.reshape(x.shape)
+
+    def backward(self, dy):
+        rows = dy.reshape(-1, dy.shape[-1])
+        dh = self.fc2.backward(self.fc2.layout.split_output(rows))
+        dx = self.layout.gather_input(self.fc1.backward(self.act.backward(dh)))
+        return dx.reshape(dy.shape)
+
+
+class Block(Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))`` then ``h + mlp(ln(h))``."""
+
+    def __init__(self, hidden: int, heads: int, mode: str, dtype, seed: int) -> None:
+        super().__init__()
+        self.ln1 = LayerNorm(hidden, dtype=dtype)
+        self.attn = DistributedAttention(hidden, heads, dtype=dtype, seed=seed)
+        self.ln2 = LayerNorm(hidden, dtype=dtype)
+        mlp = MLP3D if mode == "3d" else MLP
+        self.mlp = mlp(hidden, 4 * hidden, dtype, seed + 2)
+
+    def forward(self, x):
+        h = x + self.attn.forward(self.ln1.forward(x))
+        return h + self.mlp.forward(self.ln2.forward(h))
+
+    def backward(self, dy):
+        dh = dy + self.ln2.backward(self.mlp.backward(dy))
+        return dh + self.ln1.backward(self.attn.backward(dh))
+
+
+class BurgersTransformer(Module):
+    """Tokens are grid points ``[grid_local, batch, features]``; predicts ``du`` per point."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, mode: str, dtype, seed: int = 0):
+        super().__init__()
+        self.embed = Linear(3, hidden, dtype=dtype, seed=seed)
+        self.blocks = [Block(hidden, heads, mode, dtype, seed + 10 * (i + 1)) for i in range(layers)]
+        for i, block in enumerate(self.blocks):
+            setattr(self, f"block{i}", block)
+        self.norm = LayerNorm(hidden, dtype=dtype)
+        self.head = Linear(hidden, 1, init_method="zeros", dtype=dtype, seed=seed + 1)
+
+    def forward(self, x):
+        h = self.embed.forward(x)
+        for block in self.blocks:
+            h = block.forward(h)
+        return self.head.forward(self.norm.forward(h))[..., 0]
+
+    def backward(self, dy):
+        dh = self.norm.backward(self.head.backward(dy[..., None]))
+        for block in reversed(self.blocks):
+            dh = block.backward(dh)
+        return self.embed.backward(dh)
+
+
+# ---------------------------------------------------------------- training
+
+
+def block_of(n: int, parts: int, index: int) -> slice:
+    """Balanced block ``index`` of ``n`` items in ``parts`` (numpy.array_split's rule)."""
+    q, r = divmod(n, parts)
+    start = index * q + min(index, r)
+    return slice(start, start + q + (index < r))
+
+
+def tokens(u: np.ndarray, grid_slice: slice, dtype) -> np.ndarray:
+    """Model input ``[grid_local, batch, (u, sin x, cos x)]`` for fields ``u`` (batch, grid)."""
+    x = np.linspace(0.0, 2.0 * np.pi, u.shape[1], endpoint=False)[grid_slice]
+    local = u[:, grid_slice].T
+    out = np.empty((*local.shape, 3), dtype=dtype)
+    out[..., 0] = local
+    out[..., 1] = np.sin(x)[:, None]
+    out[..., 2] = np.cos(x)[:, None]
+    return out
+
+
+def check_layout(args: argparse.Namespace, world: int) -> None:
+    """Reject flags that cannot fit the world size or the model (ValueError, one line)."""
+    if args.tp * args.cp * max(args.dp, 1) > world or world % (args.tp * args.cp):
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} does not divide {world} ranks")
+    if args.dp and args.dp * args.tp * args.cp != world:
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} x --dp {args.dp} != {world} ranks")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.batch < world // (args.tp * args.cp):
+        raise ValueError(f"--batch {args.batch} is smaller than the data-parallel size "
+                         f"{world // (args.tp * args.cp)}")
+    if args.grid < args.cp:
+        raise ValueError(f"--grid {args.grid} has fewer points than --cp {args.cp} ranks")
+    if args.mode == "3d" and round(args.tp ** (1 / 3)) ** 3 != args.tp:
+        raise ValueError(f"--mode 3d needs a cube --tp (1, 8, 27, ...), got {args.tp}")
+
+
+def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dict:
+    """Generate data, train, validate; return the metrics (the same dict on every rank)."""
+    check_layout(args, comm.Get_size())
+    state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
+    try:
+        return _train(args, comm, state)
+    finally:
+        manager.destroy_parallel()
+
+
+def _train(args, comm, state) -> dict:
+    dtype = np.dtype(args.dtype)
+    rank = comm.Get_rank()
+    dp, cp = state.data.size, state.context.size
+    reduce_group = state.data_context
+    grid_slice = block_of(args.grid, cp, state.context.rank)
+    u_train, v_train = make_pairs(args.seed, args.trajectories, args.frames, args.grid, args.dt, args.nu)
+    u_val, v_val = make_pairs(args.seed + 1, max(args.trajectories // 4, 2), args.frames,
+                              args.grid, args.dt, args.nu)
+    scale = float(np.std(v_train - u_train))  # learn the increment in units of its spread
+
+    model = BurgersTransformer(args.hidden, args.heads, args.layers, args.mode, dtype, args.seed)
+    optimizer = AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    shuffle = np.random.default_rng(args.seed + 2)
+    count = args.batch * args.grid  # points in one global batch: the loss is their mean
+    losses, show = [], rank == 0 and not args.quiet
+    bar = None
+    if show:
+        print(f"layout  {state.mesh!r}  mode {state.tensor_parallel_mode}  "
+              f"dp={dp} cp={cp} tp={state.tensor.size}")
+        print(f"groups  {state.tensor.name}  {state.context.name}  {state.data.name}")
+        print(f"data    {len(u_train)} training pairs, {len(u_val)} validation pairs, "
+              f"grid {args.grid}, nu {args.nu}, dt {args.dt}")
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout,
+                       mininterval=1.0)
+        except ImportError:
+            pass
+    comm.Barrier()
+    start = time.perf_counter()
+    for step in range(args.steps):
+        # cosine decay to a tenth of the initial rate
+        optimizer.lr = args.lr * (0.55 + 0.45 * np.cos(np.pi * step / args.steps))
+        batch = shuffle.choice(len(u_train), args.batch, replace=False)
+        mine = batch[block_of(args.batch, dp, state.data.rank)]
+        x = tokens(u_train[mine], grid_slice, dtype)
+        target = ((v_train[mine] - u_train[mine])[:, grid_slice].T / scale).astype(dtype)
+        model.zero_grad()
+        err = model.forward(x) - target
+        local = np.array([np.dot(err.ravel(), err.ravel())], dtype=np.float64)
+        loss = float(reduce_group.all_reduce(local)[0]) / count
+        model.backward(err * (2.0 / count))
+        allreduce_gradients(model, reduce_group, average=False)
+        optimizer.step()
+        losses.append(loss)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            bar.update()
+        elif show and (step % max(args.steps // 10, 1) == 0 or step == args.steps - 1):
+            print(f"step {step:5d}  loss {loss:.5g}")
+    comm.Barrier()
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+        for step in range(0, args.steps, max(args.steps // 10, 1)):
+            print(f"step {step:5d}  loss {losses[step]:.5g}")
+        print(f"step {args.steps - 1:5d}  loss {losses[-1]:.5g}")
+
+    # Validation: one-step prediction against the solver, and doing nothing as a baseline.
+    sums = np.zeros(3)
+    for part in np.array_split(np.arange(len(u_val)), max(len(u_val) // args.batch, 1)):
+        mine = part[block_of(len(part), dp, state.data.rank)]
+        du = model.forward(tokens(u_val[mine], grid_slice, dtype)).T.astype(np.float64) * scale
+        truth = v_val[mine][:, grid_slice]
+        now = u_val[mine][:, grid_slice]
+        sums += [((now + du - truth) ** 2).sum(), ((now - truth) ** 2).sum(), (truth ** 2).sum()]
+    sums = reduce_group.all_reduce(sums)
+    metrics = {
+        "layout": {"dp": dp, "cp": cp, "tp": state.tensor.size, "mode": state.tensor_parallel_mode,
+                   "order": args.order, "ranks": comm.Get_size()},
+        "steps": args.steps, "dtype": dtype.name,
+        "final_loss": losses[-1], "initial_loss": losses[0], "losses": losses,
+        "val_rel_l2": float(np.sqrt(sums[0] / sums[2])),
+        "val_rel_l2_of_change": float(np.sqrt(sums[0] / sums[1])),
+        "persistence_rel_l2": float(np.sqrt(sums[1] / sums[2])),
+        "seconds": seconds,
+        "samples_per_second": args.steps * args.batch / seconds,
+    }
+    if show:
+        print(f"validation  one-step relative L2 error {metrics['val_rel_l2']:.3e} "
+              f"(persistence baseline {metrics['persistence_rel_l2']:.3e}; "
+              f"{metrics['val_rel_l2_of_change']:.3f} of the true change)")
+        print(f"throughput  {metrics['samples_per_second']:.1f} samples/s "
+              f"({seconds:.1f} s for {args.steps} steps on {comm.Get_size()} ranks)")
+    return metrics
+
+
+def write_outputs(metrics: dict, out: Path) -> None:
+    """Write ``metrics.json`` and, where matplotlib exists, ``loss.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss.png")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.semilogy(metrics["losses"], lw=1.2)
+    lay = metrics["layout"]
+    ax.set(xlabel="step", ylabel="training loss (MSE of scaled du)",
+           title=f"Burgers one-step map, dp={lay['dp']} cp={lay['cp']} tp={lay['tp']} ({lay['mode']})")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png")
+    plt.close(fig)
+    print(f"wrote {out / 'loss.png'} and {out / 'metrics.json'}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The example's flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (a cube in 3d mode)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (splits grid points)")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: the rest)")
+    p.add_argument("--mode", choices=["1d", "3d"], default="1d", help="tensor-parallel mode")
+    p.add_argument("--order", default="tp-cp-dp", help="mesh order, innermost first")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=16, help="global batch (fields per step)")
+    p.add_argument("--grid", type=int, default=64, help="grid points = sequence length")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--trajectories", type=int, default=48)
+    p.add_argument("--frames", type=int, default=20, help="solver frames per trajectory")
+    p.add_argument("--dt", type=float, default=0.05, help="time step of the learned map")
+    p.add_argument("--nu", type=float, default=0.1, help="viscosity")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("out/burgers"))
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Run the example; returns the exit status (2 for flags that do not fit)."""
+    comm = MPI.COMM_WORLD
+    args = parse_args(argv)
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(int(os.environ.get("PYMPAR_BLAS_THREADS", "1")))
+    except ImportError:
+        pass
+    try:
+        metrics = train(args, comm)
+    except ValueError as err:
+        if comm.Get_rank() == 0:
+            print(f"burgers.py: error: {err}", file=sys.stderr)
+        return 2
+    if comm.Get_rank() == 0:
+        write_outputs(metrics, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
