@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from layer_helpers import block, rng_array, self_group
+from layer_helpers import XPS, block, get_xp, rng_array, self_group
 from mpi_helpers import WORLD, assert_close, raises_everywhere
 from pympar import manager
 from pympar.modules import DistributedAttention, ParallelAttention
@@ -68,18 +68,20 @@ def test_serial_attention_matches_numpy_and_finite_differences():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("cp,heads", [(2, 3), (4, 6)], ids=["cp2-heads3", "cp4-heads6"])
-def test_distributed_attention(clean, cp, heads):
+@pytest.mark.parametrize("xp_name", XPS)
+def test_distributed_attention(clean, cp, heads, xp_name):
     if WORLD.size % cp:
         pytest.skip(f"needs a multiple of {cp} ranks")
+    xp = get_xp(xp_name)
     hidden, dtype = 12, np.float64
-    ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=9)
-    x = rng_array(3, (S, B, hidden), dtype)
-    dy = rng_array(4, (S, B, hidden), dtype)
+    ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=9, xp=xp)
+    x = rng_array(3, (S, B, hidden), dtype, xp)
+    dy = rng_array(4, (S, B, hidden), dtype, xp)
     y_ref = ref.forward(x)
     dx_ref = ref.backward(dy)
     manager.initialize_parallel(context_parallel_size=cp)
     rows = block(S, cp, manager.get_context_parallel_rank())
-    layer = DistributedAttention(hidden, heads, dtype=dtype, seed=9)
+    layer = DistributedAttention(hidden, heads, dtype=dtype, seed=9, xp=xp)
     y = layer.forward(x[rows])
     assert_close(y, y_ref[rows], what="forward")
     assert_close(layer.backward(dy[rows]), dx_ref[rows], what="dx")
@@ -91,17 +93,19 @@ def test_distributed_attention(clean, cp, heads):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallel_attention(clean, sp):
+@pytest.mark.parametrize("xp_name", XPS)
+def test_tensor_parallel_attention(clean, sp, xp_name):
+    xp = get_xp(xp_name)
     tp, hidden, heads, dtype = 2, 8, 4, np.float64
-    ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=5)
-    x = rng_array(5, (S, B, hidden), dtype)
-    dy = rng_array(6, (S, B, hidden), dtype)
+    ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=5, xp=xp)
+    x = rng_array(5, (S, B, hidden), dtype, xp)
+    dy = rng_array(6, (S, B, hidden), dtype, xp)
     y_ref = ref.forward(x)
     dx_ref = ref.backward(dy)
     manager.initialize_parallel(tp)
     r = manager.get_tensor_parallel_rank()
     rows = block(S, tp, r) if sp else slice(None)
-    layer = ParallelAttention(hidden, heads, use_sequence_parallel=sp, dtype=dtype, seed=5)
+    layer = ParallelAttention(hidden, heads, use_sequence_parallel=sp, dtype=dtype, seed=5, xp=xp)
     y = layer.forward(x[rows])
     assert_close(y, y_ref[rows], what="forward")
     assert_close(layer.backward(dy[rows]), dx_ref[rows], what="dx")

@@ -55,17 +55,19 @@ def test_two_linear3d_layers_alternate_layouts(cube, xp_name, dtype):
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("swap", [False, True])
-def test_layernorm3d(cube, swap):
+@pytest.mark.parametrize("xp_name", XPS)
+def test_layernorm3d(cube, swap, xp_name):
+    xp = get_xp(xp_name)
     dtype, hidden = np.float64, 7
-    ref = LayerNorm(hidden, dtype=dtype)
-    ref.weight.data[...] = rng_array(3, hidden, dtype)
-    ref.bias.data[...] = rng_array(4, hidden, dtype)
-    x = rng_array(5, (ROWS, hidden), dtype) * 3 + 1
-    dy = rng_array(6, (ROWS, hidden), dtype)
+    ref = LayerNorm(hidden, dtype=dtype, xp=xp)
+    ref.weight.data[...] = rng_array(3, hidden, dtype, xp)
+    ref.bias.data[...] = rng_array(4, hidden, dtype, xp)
+    x = rng_array(5, (ROWS, hidden), dtype, xp) * 3 + 1
+    dy = rng_array(6, (ROWS, hidden), dtype, xp)
     y_ref = ref.forward(x)
     dx_ref = ref.backward(dy)
 
-    norm = LayerNorm3D(hidden, swap=swap, dtype=dtype)
+    norm = LayerNorm3D(hidden, swap=swap, dtype=dtype, xp=xp)
     layout = norm.layout
     _, cols = layout.input_block(ROWS, hidden)
     norm.weight.data[...] = ref.weight.data[cols]
