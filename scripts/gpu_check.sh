@@ -18,3 +18,12 @@ for aware in 0 1; do
       -k "$mode" -rs tests/test_collectives.py tests/test_mappings.py
   done
 done
+# The layers on CuPy arrays (the "cupy" parameters), staged: 3D layers need 8 ranks.
+for n in 2 4; do
+  echo "== layers on CuPy, $n ranks"
+  PYMPAR_CUDA_AWARE=0 scripts/mpirun.sh "$n" "$py" -m mpi4py -m pytest --with-mpi -q -k cupy -rs \
+    tests/test_parallel_linear.py tests/test_attention.py tests/test_training.py
+done
+echo "== 3D layers on CuPy, 8 ranks"
+PYMPAR_CUDA_AWARE=0 scripts/mpirun.sh 8 "$py" -m mpi4py -m pytest --with-mpi -q -k cupy -rs \
+  tests/test_layers_3d.py
