@@ -48,3 +48,18 @@ def block(n: int, parts: int, index: int) -> slice:
     q, r = divmod(n, parts)
     start = index * q + min(index, r)
     return slice(start, start + q + (index < r))
+
+
+def numeric_grad(f, a, eps=1e-6):
+    """Central differences of scalar ``f()`` with respect to every element of ``a`` (in place)."""
+    g = np.empty_like(a)
+    flat, gflat = a.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        hi = f()
+        flat[i] = old - eps
+        lo = f()
+        flat[i] = old
+        gflat[i] = (hi - lo) / (2 * eps)
+    return g

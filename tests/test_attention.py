@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from layer_helpers import XPS, block, get_xp, rng_array, self_group
+from layer_helpers import XPS, block, get_xp, numeric_grad, rng_array, self_group
 from mpi_helpers import WORLD, assert_close, raises_everywhere
 from pympar import manager
 from pympar.modules import DistributedAttention, ParallelAttention
@@ -35,20 +35,6 @@ def numpy_attention(x, wqkv, bqkv, wo, bo, heads):
     return out @ wo.T + bo
 
 
-def finite_difference(f, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        plus = f()
-        flat[i] = old - eps
-        minus = f()
-        flat[i] = old
-        gflat[i] = (plus - minus) / (2 * eps)
-    return grad
-
-
 @pytest.mark.mpi(min_size=1)
 def test_serial_attention_matches_numpy_and_finite_differences():
     hidden, heads = 8, 2
@@ -61,9 +47,9 @@ def test_serial_attention_matches_numpy_and_finite_differences():
     w = rng_array(2, y.shape, np.float64)
     dx = layer.backward(w)
     loss = lambda: float((layer.forward(x) * w).sum())  # noqa: E731
-    np.testing.assert_allclose(dx, finite_difference(loss, x), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dx, numeric_grad(loss, x), rtol=1e-6, atol=1e-7)
     for p in (layer.qkv.weight, layer.proj.bias):
-        np.testing.assert_allclose(p.grad, finite_difference(loss, p.data), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(p.grad, numeric_grad(loss, p.data), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from layer_helpers import numeric_grad
+
 from pympar.modules import (
     GELU,
     Dropout,
@@ -19,21 +21,6 @@ from pympar.modules import (
     Sequential,
     SoftmaxCrossEntropy,
 )
-
-
-def numeric_grad(f, a, eps=1e-6):
-    """Central differences of scalar ``f()`` with respect to every element of ``a`` (in place)."""
-    g = np.empty_like(a)
-    flat, gflat = a.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        hi = f()
-        flat[i] = old - eps
-        lo = f()
-        flat[i] = old
-        gflat[i] = (hi - lo) / (2 * eps)
-    return g
 
 
 def check_module_grads(module, x, seed=0):
