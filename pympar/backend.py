@@ -181,6 +181,12 @@ def accumulation_dtype(dtype: Any) -> np.dtype:
 def mpi_datatype(dtype: Any) -> MPI.Datatype:
     """Return the MPI datatype for moving an array of ``dtype``.
 
+    The predefined datatype of the wire dtype's type code (``MPI_FLOAT``,
+    ``MPI_UNSIGNED_SHORT`` for bfloat16, ...) when MPI has one, otherwise the
+    datatype that ``mpi4py.util.dtlib`` builds. Predefined first because MPICH
+    refuses built-in reductions (``MPI_SUM`` ...) on the duplicated datatypes
+    that ``dtlib`` returns even for plain numeric dtypes.
+
     Parameters
     ----------
     dtype : numpy dtype or anything ``numpy.dtype`` accepts
@@ -190,7 +196,12 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
     TypeError
         When MPI has no datatype for it.
     """
+    wire = wire_dtype(dtype)
     try:
-        return dtlib.from_numpy_dtype(wire_dtype(dtype))
+        return MPI.Datatype.fromcode(wire.char)
+    except (KeyError, ValueError):
+        pass
+    try:
+        return dtlib.from_numpy_dtype(wire)
     except (ValueError, KeyError) as err:
         raise TypeError(f"pympar cannot send arrays of dtype {np.dtype(dtype)}: {err}") from None

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import backend, collectives
+from pympar import _general, _plans, _wire, backend, collectives
 from pympar.collectives import balanced_sizes
+from pympar.group import Group
 from pympar.mesh import Mesh
 
 BF16 = backend.bfloat16
@@ -345,8 +346,11 @@ def test_large_count_check_logic():
 def test_large_messages_are_refused_before_mpi_without_large_counts(group, monkeypatch):
     # Pretend int counts stop at 10 elements and the library is MPI-3: every
     # collective must refuse with ValueError on every rank, before calling MPI.
-    monkeypatch.setattr(collectives, "INT_MAX", 10)
-    monkeypatch.setattr(collectives, "large_counts_supported", lambda version=None: False)
+    # Each module that compares counts with INT_MAX reads it as its own global
+    # (no attribute lookup on the fast path), so each one is patched.
+    for module in (collectives, _general, _wire):
+        monkeypatch.setattr(module, "INT_MAX", 10)
+    monkeypatch.setattr(_wire, "large_counts_supported", lambda version=None: False)
     group._plans.clear()
     x = np.zeros((group.size, 11))
     if group.size > 1:
@@ -372,7 +376,7 @@ def test_hot_path_reuses_plans_and_buffers(group):
     group.all_reduce(x)
     group.all_gather(x, 1, out=out, sizes=[4] * group.size)
     same = all(group._buffers[k] is v for k, v in buffers.items())
-    agree(same and group._plans == plans and len(group._buffers) <= collectives._MAX_BUFFERS,
+    agree(same and group._plans == plans and len(group._buffers) <= _plans._MAX_BUFFERS,
           "a repeated call allocated new scratch buffers or plans")
 
 
@@ -387,11 +391,37 @@ def test_balanced_sizes_matches_array_split():
 
 @pytest.mark.mpi(min_size=1)
 def test_buffer_cache_is_bounded_and_releasable(group, monkeypatch):
-    monkeypatch.setattr(collectives, "_MAX_BUFFER_BYTES", 4096)
+    monkeypatch.setattr(_plans, "_MAX_BUFFER_BYTES", 4096)
     group.release_buffers()
     for n in range(1, 40):
         group.all_reduce(np.ones((n, 8), np.float16))  # float32 scratch of n * 32 bytes
     sizes = [b.nbytes for b in group._buffers.values()]
-    ok = len(sizes) <= collectives._MAX_BUFFERS and sum(sizes) <= 4096
+    ok = len(sizes) <= _plans._MAX_BUFFERS and sum(sizes) <= 4096
     group.release_buffers()
     agree(ok and not group._buffers and not group._plans, f"cached {sizes}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_public_names_and_group_methods_stay_in_place():
+    for name in collectives.__all__:
+        assert hasattr(collectives, name), name
+    assert collectives.INT_MAX == _wire.INT_MAX == 2**31 - 1
+    assert collectives.balanced_sizes is _wire.balanced_sizes
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        assert getattr(Group, name) is getattr(collectives, name), name
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mpi_datatypes_are_predefined():
+    # MPICH refuses built-in reductions on duplicated datatypes, which is what
+    # mpi4py.util.dtlib returns even for plain numeric dtypes.
+    for dtype in DTYPES + [np.dtype(t) for t in (np.int8, np.int32, np.int64, np.uint16,
+                                                 np.complex64, np.complex128, np.bool_)]:
+        datatype = backend.mpi_datatype(dtype)
+        assert datatype.is_predefined, dtype
+        assert datatype.Get_size() == backend.wire_dtype(dtype).itemsize, dtype
+    # Types without a predefined datatype still get dtlib's.
+    pair = np.dtype([("a", np.float64), ("b", np.int32)])
+    assert backend.mpi_datatype(pair).Get_size() == pair.itemsize
+    with pytest.raises(TypeError, match="cannot send arrays of dtype object"):
+        backend.mpi_datatype(np.dtype(object))
