@@ -1,10 +1,19 @@
-"""Command line: ``mpiexec -n N python -m pympar info [--tp --cp --order --mode]``."""
+"""Command line of pympar.
+
+``mpiexec -n N python -m pympar info [--tp --cp --order --mode]`` prints the MPI
+setup and the parallel layout; ``python -m pympar bench [--quick] [--out DIR]``
+(without a launcher: it starts its own ``mpiexec`` runs) runs the benchmarks of
+a repository checkout and writes JSON, PNG plots and a markdown table.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import socket
 import sys
+from pathlib import Path
+from types import ModuleType
 
 from mpi4py import MPI
 
@@ -39,6 +48,54 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benchmarks_driver(repo: Path | None = None) -> ModuleType:
+    """Import ``benchmarks/run.py`` of the checkout this package lives in.
+
+    Parameters
+    ----------
+    repo : Path, optional
+        The repository root; by default the folder above this package.
+
+    Raises
+    ------
+    RuntimeError
+        When the package does not sit in a repository checkout with a
+        ``benchmarks/`` folder (e.g. a wheel install).
+    """
+    repo = Path(__file__).resolve().parent.parent if repo is None else Path(repo)
+    driver = repo / "benchmarks" / "run.py"
+    if not driver.is_file():
+        raise RuntimeError(
+            f"the benchmarks are not installed with the package: {driver} does not exist. "
+            "Run `python -m pympar bench` from an editable install of a pympar repository "
+            "checkout (pip install -e .), or run the scripts in its benchmarks/ folder")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    spec = importlib.util.spec_from_file_location("benchmarks.run", driver)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if MPI.COMM_WORLD.Get_size() > 1:
+        raise RuntimeError("`python -m pympar bench` starts its own mpiexec runs: run it "
+                           "without a launcher, e.g. `python -m pympar bench --quick`")
+    return _benchmarks_driver().run(args)
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench options; the driver's own when the checkout has one."""
+    try:
+        _benchmarks_driver().add_arguments(parser)
+    except Exception:  # noqa: BLE001 - `info` must work whatever state benchmarks/ is in
+        # Keep --help working; running `bench` reports the problem.
+        parser.add_argument("--quick", action="store_true")
+        parser.add_argument("--out", default="bench-results")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the pympar command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m pympar", description=__doc__)
@@ -50,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--mode", default="1d", choices=manager.TENSOR_PARALLEL_MODES,
                       help="tensor-parallel mode")
     info.set_defaults(run=_info)
+    bench = commands.add_parser(
+        "bench", help="run the benchmarks (spawns mpiexec itself; from a repository checkout)",
+        description="Run pympar's benchmarks under mpiexec and write JSON, PNG plots and "
+                    "results.md. --quick takes under two minutes on two cores.")
+    _bench_arguments(bench)
+    bench.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

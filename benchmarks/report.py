@@ -1,0 +1,343 @@
+"""Turn the benchmarks' JSON files into ``results.md`` and PNG plots.
+
+``write_report(folder)`` reads whichever of ``mappings.json``,
+``torch_comm.json``, ``mlp.json``, ``comm_volume_8.json``,
+``comm_volume_27.json`` and ``runs.json`` exist in ``folder`` and writes
+``results.md`` plus ``mappings.png``, ``torch_comm.png``, ``mlp.png`` and
+``comm_volume.png`` there (plots only when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+#: The MLP targets of the benchmark plan (issue 6).
+TARGET_RATIO = 0.75       # pympar TP=2 step <= 0.75 x torch DTensor TP=2 step, at H=256, T=8192
+TARGET_EFFICIENCY = 0.95  # serial one core / (2 x TP=2)
+TARGET_SHAPE = (256, 8192)
+#: Sizes shown in the compact mappings table.
+KEY_SIZES = (2 ** 10, 2 ** 20, 16 * 2 ** 20)
+
+
+def _load(folder: Path, name: str) -> dict[str, Any] | None:
+    path = folder / name
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def show_size(nbytes: float) -> str:
+    """``1048576`` -> ``"1 MiB"``; non-round sizes get one decimal."""
+    for unit, factor in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= factor:
+            value = nbytes / factor
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _machine(folder: Path) -> dict[str, Any] | None:
+    for name in ("mlp.json", "torch_comm.json", "comm_volume_8.json"):
+        data = _load(folder, name)
+        if data and data.get("machine"):
+            return data["machine"]
+    return None
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _section_machine(folder: Path) -> list[str]:
+    machine, runs = _machine(folder), _load(folder, "runs.json")
+    lines = ["## Machine and run", ""]
+    if machine:
+        blas = [b for b in machine.get("blas", []) if b.get("user_api") == "blas"]
+        blas_text = ", ".join(f"{b.get('internal_api')} {b.get('version')} kernel "
+                              f"{b.get('architecture')}" for b in blas) or "unknown"
+        env = {k: v for k, v in machine.get("env", {}).items() if v is not None}
+        names = ("torch_comm.json", "mlp.json", "comm_volume_8.json", "comm_volume_27.json")
+        dates = sorted({data["machine"]["date"] for name in names
+                        if (data := _load(folder, name)) and data.get("machine")})
+        lines += [f"- date: {', '.join(dates) or machine.get('date')} (the jobs' start times)",
+                  f"- CPU: {machine.get('cpu')}, {machine.get('logical_cpus')} logical CPUs, "
+                  f"load average at start {machine.get('loadavg')}",
+                  f"- MPI: {machine.get('mpi')}; mpi4py {machine.get('mpi4py')}; "
+                  f"Python {machine.get('python')}; NumPy {machine.get('numpy')}; "
+                  f"torch {machine.get('torch') or 'not installed'}",
+                  f"- NumPy BLAS: {blas_text}",
+                  f"- environment: {env or 'no BLAS/OpenMP variables set'}"]
+    if runs:
+        lines.append(f"- {'quick' if runs.get('quick') else 'full'} run, {runs.get('seconds')} s "
+                     "in all; per job: *busy before* = fraction of the CPUs in use just before it "
+                     "started, *foreign* = CPU time other processes used while it ran, as a "
+                     "fraction of the machine (both should be near 0 for trustworthy timings):")
+        lines += [f"  - {r['name']}: {r['ranks']} ranks, {r['seconds']} s, "
+                  f"{'ok' if r['ok'] else 'FAILED'}, busy before {r.get('busy_before')}, "
+                  f"foreign {r.get('foreign_cpu')}" for r in runs["jobs"]]
+    return lines + [""]
+
+
+def _section_mappings(data: dict[str, Any]) -> list[str]:
+    rows = data["rows"]
+    sizes = sorted({r["bytes"] for r in rows})
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    cell = {(r["op"], r["bytes"]): r for r in rows}
+    lines = ["## Mappings and collectives vs raw mpi4py",
+             "",
+             f"{data.get('ranks')} ranks, {data.get('dtype')}, median of {data.get('repeats')} "
+             f"interleaved samples; {data.get('mpi')}. *raw* is the same operation written by "
+             "hand on the same buffers (mpi4py uppercase call plus any NumPy packing the layout "
+             "needs); ratio = pympar / raw.",
+             ""]
+    key = [s for s in KEY_SIZES if s in sizes]
+    if key:
+        header = ["operation"] + [f"{show_size(s)}: raw us / pympar us / ratio" for s in key]
+        body = []
+        for op in ops:
+            line = [op]
+            for s in key:
+                r = cell.get((op, s))
+                line.append("" if r is None else
+                            f"{r['raw_us']:.1f} / {r['pympar_us']:.1f} / {r['ratio']:.2f}")
+            body.append(line)
+        lines += _table(header, body) + [""]
+    lines += ["Ratio pympar / raw at every size:", ""]
+    body = [[op] + [f"{cell[(op, s)]['ratio']:.2f}" if (op, s) in cell else "" for s in sizes]
+            for op in ops]
+    return lines + _table(["operation"] + [show_size(s) for s in sizes], body) + [""]
+
+
+def _section_torch(data: dict[str, Any]) -> list[str]:
+    lines = ["## pympar vs torch.distributed (gloo, CPU)", ""]
+    if data.get("skipped"):
+        return lines + [f"Skipped: {data['skipped']}", ""]
+    lines += ["Same float32 buffers (torch tensors are `torch.from_numpy` views), 2 ranks, median "
+              f"of {data.get('repeats')} interleaved samples. Ratio < 1: pympar is faster.", ""]
+    body = [[f"{r['op']} ({r['torch_op']})", show_size(r["bytes"]), f"{r['mpi4py_us']:.1f}",
+             f"{r['pympar_us']:.1f}", f"{r['torch_us']:.1f}",
+             f"{r['ratio_pympar_over_torch']:.3f}", "yes" if r["same_result"] else "NO"]
+            for r in data["rows"]]
+    return lines + _table(["operation (torch call)", "size", "mpi4py us", "pympar us",
+                           "torch us", "pympar / torch", "same result"], body) + [""]
+
+
+def _section_mlp(data: dict[str, Any]) -> list[str]:
+    lines = ["## Tensor-parallel MLP step (h -> 4h -> h, GELU, forward + backward, float32)", "",
+             f"Median of {data.get('repeats')} interleaved rounds after {data.get('warmup')} "
+             "warm-up steps per variant. Serial variants run on rank 0 while the other rank "
+             "sleeps; TP variants use one BLAS/torch thread per rank.", ""]
+    if data.get("torch_skipped"):
+        lines += [f"torch variants skipped: {data['torch_skipped']}", ""]
+    rows = data["rows"]
+    variants = list(dict.fromkeys(v for r in rows for v in r["step_ms"]))
+    header = ["variant"] + [f"H={r['hidden']}, T={r['tokens']} (ms)" for r in rows]
+    body = [[v] + [f"{r['step_ms'][v]:.1f}" if v in r["step_ms"] else "" for r in rows]
+            for v in variants]
+    body.append(["parallel efficiency pympar: serial 1 thread / (p x TP)"]
+                + [f"{r['efficiency_pympar']:.3f}" for r in rows])
+    if any("efficiency_torch" in r for r in rows):
+        body.append(["parallel efficiency torch"] + [f"{r.get('efficiency_torch', float('nan')):.3f}"
+                                                       for r in rows])
+    if any("ratio_pympar_tp_over_torch_tp" in r for r in rows):
+        body.append(["pympar TP / torch DTensor TP"]
+                    + [f"{r.get('ratio_pympar_tp_over_torch_tp', float('nan')):.3f}" for r in rows])
+        body.append(["pympar TP / torch serial p threads"]
+                    + [f"{r.get('ratio_pympar_tp_over_torch_serialp', float('nan')):.3f}"
+                       for r in rows])
+    lines += _table(header, body) + [""]
+    for r in rows:
+        if (r["hidden"], r["tokens"]) != TARGET_SHAPE:
+            continue
+        eff = r["efficiency_pympar"]
+        lines.append(f"- target parallel efficiency >= {TARGET_EFFICIENCY}: {eff:.3f}, "
+                     f"{'met' if eff >= TARGET_EFFICIENCY else 'missed'}")
+        ratio = r.get("ratio_pympar_tp_over_torch_tp")
+        if ratio is not None:
+            lines.append(f"- target pympar TP=2 <= {TARGET_RATIO} x torch DTensor TP=2 at H=256, "
+                         f"T=8192: {ratio:.3f}, {'met' if ratio <= TARGET_RATIO else 'missed'}")
+    errors = {v: max(r["max_rel_error"].get(v, 0.0) for r in rows)
+              for v in variants if any(v in r["max_rel_error"] for r in rows)}
+    if errors:
+        lines.append("- largest relative difference of a variant's y and dx from serial pympar: "
+                     + ", ".join(f"{v} {e:.1e}" for v, e in errors.items()))
+    return lines + [""]
+
+
+def _section_volume(datasets: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Communication volume per rank: Linear3D pair vs Column+Row pair", "",
+             "MLP H -> F -> H on N tokens, forward + backward once, biases on, counted by "
+             "`pympar.stats` on every rank. *bytes in / out*: the sum over the rank's collectives "
+             "of the input and result sizes (what `pympar.stats` records); *exchanged*: all-gather "
+             "out - in, reduce-scatter in - out, all-reduce 2(p-1)/p in (see benchmarks/README.md). "
+             "Ranges are min..max over ranks (uneven splits give ranks different blocks).", ""]
+    body = []
+    for data in datasets:
+        for s in data["shapes"]:
+            for layout, label in (("3d", f"Linear3D pair, d={s['depth']}"),
+                                  ("1d", f"Column+Row, TP={s['ranks']}")):
+                r = s[layout]
+
+                def span(values: list[float]) -> str:
+                    lo, hi = min(values), max(values)
+                    return f"{lo:.0f}" if lo == hi else f"{lo:.0f}..{hi:.0f}"
+
+                body.append([f"{s['tokens']}x{s['hidden']}x{s['ffn']}", s["ranks"], label,
+                             r["calls"], span(r["bytes_in"]), span(r["bytes_out"]),
+                             span(r["exchanged"]), span(r["formula_exchanged"]),
+                             f"{r['even_formula_exchanged']:.0f}",
+                             "yes" if r["all_equal"] else "NO"])
+    return lines + _table(["N x H x F", "ranks", "layout", "calls", "bytes in", "bytes out",
+                           "exchanged (measured)", "exchanged (formula)", "even-split formula",
+                           "measured == formula (every rank, every group and op)"], body) + [""]
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _plots(folder: Path, mappings: Any, torch_comm: Any, mlp: Any, volumes: list) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        path = folder / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
+        written.append(path)
+
+    if mappings:
+        rows = mappings["rows"]
+        shown = ["all_reduce", "all_gather axis 0", "all_gather axis -1", "reduce_scatter axis 0",
+                 "reduce_scatter axis -1", "all_to_all seq->hidden"]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        for i, op in enumerate(shown):
+            pts = sorted((r["bytes"], r["raw_us"], r["pympar_us"]) for r in rows if r["op"] == op)
+            if not pts:
+                continue
+            b = [p[0] for p in pts]
+            color = f"C{i}"
+            axes[0].loglog(b, [p[2] for p in pts], "-o", color=color, ms=3, label=f"{op} pympar")
+            axes[0].loglog(b, [p[1] for p in pts], "--", color=color, label=f"{op} raw")
+            axes[1].semilogx(b, [p[0] / p[2] / 1e3 for p in pts], "-o", color=color, ms=3, label=op)
+            axes[1].semilogx(b, [p[0] / p[1] / 1e3 for p in pts], "--", color=color)
+        for op in dict.fromkeys(r["op"] for r in rows):
+            pts = sorted((r["bytes"], r["ratio"]) for r in rows if r["op"] == op)
+            axes[2].semilogx([p[0] for p in pts], [p[1] for p in pts], "-", lw=1, alpha=0.7)
+        axes[2].axhline(1.0, color="k", lw=1)
+        axes[2].set_yscale("log")
+        axes[0].set(xlabel="bytes per rank", ylabel="time per call (us)",
+                    title="time (solid pympar, dashed raw mpi4py)")
+        axes[1].set(xlabel="bytes per rank", ylabel="GB/s (input bytes / time)",
+                    title="bandwidth (solid pympar, dashed raw)")
+        axes[2].set(xlabel="bytes per rank", ylabel="pympar / raw",
+                    title="ratio, all 21 operations (log scale)")
+        axes[1].legend(fontsize=7)
+        save(fig, "mappings.png")
+    if torch_comm and torch_comm.get("rows"):
+        rows = torch_comm["rows"]
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+        for i, op in enumerate(dict.fromkeys(r["op"] for r in rows)):
+            pts = sorted((r["bytes"], r["mpi4py_us"], r["pympar_us"], r["torch_us"])
+                         for r in rows if r["op"] == op)
+            b = [p[0] for p in pts]
+            for column, style, label in ((2, "-o", "pympar"), (1, ":", "mpi4py"),
+                                         (3, "--s", "torch gloo")):
+                t = [p[column] for p in pts]
+                axes[0].loglog(b, t, style, color=f"C{i}", ms=3, label=f"{op} {label}")
+                axes[1].semilogx(b, [x / y / 1e3 for x, y in zip(b, t)], style, color=f"C{i}", ms=3,
+                                 label=f"{op} {label}")
+        axes[0].set(xlabel="bytes per rank", ylabel="time per call (us)",
+                    title="pympar (solid), mpi4py (dotted), torch gloo (dashed)")
+        axes[1].set(xlabel="bytes per rank", ylabel="GB/s (input bytes / time)", title="bandwidth")
+        axes[1].legend(fontsize=6, ncol=2)
+        save(fig, "torch_comm.png")
+    if mlp and mlp.get("rows"):
+        rows = mlp["rows"]
+        variants = list(dict.fromkeys(v for r in rows for v in r["step_ms"]))
+        fig, ax = plt.subplots(figsize=(10, 4.2))
+        width = 0.8 / max(1, len(variants))
+        for i, v in enumerate(variants):
+            xs = [k + i * width for k in range(len(rows))]
+            ax.bar(xs, [r["step_ms"].get(v, 0.0) for r in rows], width, label=v, color=f"C{i}")
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))])
+        ax.set_xticklabels([f"H={r['hidden']}, T={r['tokens']}" for r in rows])
+        ax.set(ylabel="step time (ms)", title="MLP step, forward + backward (lower is better)")
+        ax.legend(fontsize=8)
+        save(fig, "mlp.png")
+    if volumes:
+        labels, three, one, three_f, one_f = [], [], [], [], []
+        for data in volumes:
+            for s in data["shapes"]:
+                labels.append(f"{s['tokens']}x{s['hidden']}x{s['ffn']}\n{s['ranks']} ranks")
+                three.append(s["3d"]["exchanged_mean"])
+                one.append(s["1d"]["exchanged_mean"])
+                three_f.append(sum(s["3d"]["formula_exchanged"]) / len(s["3d"]["formula_exchanged"]))
+                one_f.append(sum(s["1d"]["formula_exchanged"]) / len(s["1d"]["formula_exchanged"]))
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.2))
+        xs = list(range(len(labels)))
+        ax.bar([x - 0.2 for x in xs], three, 0.4, label="Linear3D pair (measured)", color="C0")
+        ax.bar([x + 0.2 for x in xs], one, 0.4, label="Column+Row (measured)", color="C1")
+        ax.plot([x - 0.2 for x in xs], three_f, "k_", ms=18, mew=2, label="formula")
+        ax.plot([x + 0.2 for x in xs], one_f, "k_", ms=18, mew=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set(ylabel="exchanged bytes per rank (mean)", title="communication volume per layout")
+        ax.legend(fontsize=8)
+        save(fig, "comm_volume.png")
+    return written
+
+
+def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
+    """Write ``results.md`` and the PNG plots from the JSON files in ``folder``.
+
+    Parameters
+    ----------
+    folder : str or Path
+        Where the benchmark JSON files are (and where the outputs go).
+    plots : bool
+        Also draw the PNG plots (needs matplotlib; skipped without it).
+
+    Returns
+    -------
+    list of Path
+        The files written.
+    """
+    folder = Path(folder)
+    mappings = _load(folder, "mappings.json")
+    torch_comm = _load(folder, "torch_comm.json")
+    mlp = _load(folder, "mlp.json")
+    volumes = [v for v in (_load(folder, "comm_volume_8.json"), _load(folder, "comm_volume_27.json"))
+               if v]
+    lines = ["# pympar benchmark results", "",
+             "Written by `python -m pympar bench`; see benchmarks/README.md for what each "
+             "figure means and how to reproduce it.", ""]
+    lines += _section_machine(folder)
+    if mappings:
+        lines += _section_mappings(mappings)
+    if torch_comm:
+        lines += _section_torch(torch_comm)
+    if mlp:
+        lines += _section_mlp(mlp)
+    if volumes:
+        lines += _section_volume(volumes)
+    written = _plots(folder, mappings, torch_comm, mlp, volumes) if plots else []
+    if written:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in written] + [""]
+    path = folder / "results.md"
+    path.write_text("\n".join(lines))
+    return [path, *written]

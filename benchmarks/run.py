@@ -1,0 +1,306 @@
+"""Driver of ``python -m pympar bench``: spawn each benchmark under mpiexec, then report.
+
+Runs, each in its own ``mpiexec`` job:
+
+==================  =====  =======================================================
+JSON file           ranks  script
+==================  =====  =======================================================
+mappings.json       2      bench_mappings.py: mappings/collectives vs raw mpi4py
+torch_comm.json     2      bench_torch_comm.py: vs torch.distributed gloo (or skipped)
+mlp.json            2      bench_mlp.py: tensor-parallel MLP step vs serial and torch
+comm_volume_8.json  8      bench_comm_volume.py: Linear3D pair vs Column+Row bytes
+comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversubscribed)
+==================  =====  =======================================================
+
+then writes ``results.md`` (tables) and PNG plots beside the JSON files
+(:mod:`benchmarks.report`). The launcher is found like ``scripts/mpirun.sh``
+does: ``$MPIEXEC``, else ``mpiexec`` next to the running Python, else on
+``PATH``; Open MPI gets ``--oversubscribe`` and its two run-as-root variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+#: The OpenBLAS variables known to select a slower kernel on some machines.
+SLOW_BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+@dataclass
+class Job:
+    """One benchmark run: a script under ``ranks`` ranks writing ``output`` (JSON)."""
+
+    name: str
+    script: str
+    ranks: int
+    output: str
+    args: list[str] = field(default_factory=list)
+    timeout: float = 1800.0
+
+
+def plan(quick: bool) -> list[Job]:
+    """The jobs of a quick or a full run.
+
+    Parameters
+    ----------
+    quick : bool
+        Few sizes, few repeats and small shapes (well under two minutes on two
+        cores), or the full run documented in ``benchmarks/README.md``.
+    """
+    if quick:
+        sizes = "1KiB,64KiB,1MiB"
+        return [
+            Job("mappings", "bench_mappings.py", 2, "mappings.json",
+                ["--sizes", sizes, "--repeats", "5", "--warmup", "2"], 300),
+            Job("torch_comm", "bench_torch_comm.py", 2, "torch_comm.json",
+                ["--sizes", sizes, "--repeats", "5", "--warmup", "2"], 300),
+            Job("mlp", "bench_mlp.py", 2, "mlp.json",
+                ["--shapes", "128x2048", "--repeats", "3", "--warmup", "1"], 300),
+            Job("comm_volume_8", "bench_comm_volume.py", 8, "comm_volume_8.json",
+                ["--shapes", "256x64x256,13x9x35"], 300),
+        ]
+    sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
+    shapes = "8192x1024x4096,2048x256x1024,13x9x35"
+    return [
+        Job("mappings", "bench_mappings.py", 2, "mappings.json",
+            ["--sizes", sizes, "--repeats", "15", "--warmup", "3"]),
+        Job("torch_comm", "bench_torch_comm.py", 2, "torch_comm.json",
+            ["--sizes", sizes, "--repeats", "11", "--warmup", "3"]),
+        Job("mlp", "bench_mlp.py", 2, "mlp.json",
+            ["--shapes", "256x8192,1024x2048", "--repeats", "11", "--warmup", "2"]),
+        Job("comm_volume_8", "bench_comm_volume.py", 8, "comm_volume_8.json", ["--shapes", shapes]),
+        Job("comm_volume_27", "bench_comm_volume.py", 27, "comm_volume_27.json",
+            ["--shapes", shapes], 900),
+    ]
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """The launcher to use: ``explicit``, ``$MPIEXEC``, next to ``sys.executable``, or on PATH.
+
+    Raises
+    ------
+    FileNotFoundError
+        When none is found.
+    """
+    for candidate in (explicit, os.environ.get("MPIEXEC")):
+        if candidate:
+            found = shutil.which(candidate)
+            if found is None:
+                raise FileNotFoundError(f"mpiexec {candidate!r} not found")
+            return found
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec next to this Python nor on PATH; install an MPI "
+                                "(e.g. pip install mpich) or set MPIEXEC")
+    return found
+
+
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` belongs to Open MPI (which needs ``--oversubscribe``)."""
+    try:
+        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    text = text.lower()
+    return any(key in text for key in ("open mpi", "openmpi", "open-rte", "prrte"))
+
+
+def launch_command(mpiexec: str, ranks: int, argv: Sequence[str],
+                   open_mpi: bool | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment to run ``argv`` on ``ranks`` ranks.
+
+    Follows ``scripts/mpirun.sh``: Open MPI gets ``--oversubscribe`` and
+    ``OMPI_ALLOW_RUN_AS_ROOT*``; every rank defaults to one BLAS/OpenMP thread
+    (the benchmarks raise it where they measure more threads).
+    """
+    open_mpi = is_open_mpi(mpiexec) if open_mpi is None else open_mpi
+    env = dict(os.environ)
+    flags: list[str] = []
+    if open_mpi:
+        flags.append("--oversubscribe")
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(name, "1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return [mpiexec, *flags, "-n", str(ranks), *argv], env
+
+
+def busy_fraction(seconds: float = 1.0) -> float:
+    """Fraction of CPU time spent busy over ``seconds`` (Linux ``/proc/stat``; NaN elsewhere)."""
+    def read() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = read()
+        time.sleep(seconds)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    total = total1 - total0
+    return 1.0 - (idle1 - idle0) / total if total > 0 else float("nan")
+
+
+def _busy_seconds() -> float:
+    """CPU seconds spent busy by the whole machine so far (Linux ``/proc/stat``; NaN elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(limit: float, threshold: float = 0.15) -> float:
+    """Wait up to ``limit`` seconds for the machine to be idle; return the last busy fraction."""
+    deadline = time.monotonic() + limit
+    busy = busy_fraction()
+    while busy > threshold and time.monotonic() < deadline:
+        busy = busy_fraction(2.0)
+    return busy
+
+
+def run_job(job: Job, out: Path, mpiexec: str, open_mpi: bool, log: Any = sys.stdout) -> dict:
+    """Run one job; return ``{"name", "ok", "seconds", "returncode", "command", ...}``."""
+    target = out / job.output
+    if target.exists():
+        target.unlink()
+    argv = [sys.executable, "-m", "mpi4py", str(HERE / job.script), *job.args,
+            "--json", str(target)]
+    cmd, env = launch_command(mpiexec, job.ranks, argv, open_mpi)
+    shown = " ".join(Path(c).name if i in (0, len(cmd) - len(argv)) else c
+                     for i, c in enumerate(cmd))
+    print(f"== {job.name}: {job.ranks} ranks: {shown}", file=log, flush=True)
+    start, busy0, ours0 = time.monotonic(), _busy_seconds(), os.times()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=job.timeout, cwd=str(REPO))
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+    seconds = time.monotonic() - start
+    ours1 = os.times()
+    ours = (ours1.children_user + ours1.children_system
+            - ours0.children_user - ours0.children_system)
+    # CPU time that other processes of the machine used while the job ran, as a fraction
+    # of the machine's capacity: the job's figures are only as good as this is small.
+    foreign = (_busy_seconds() - busy0 - ours) / (seconds * (os.cpu_count() or 1))
+    ok = code == 0 and target.exists()
+    status = "ok" if ok else ("timed out" if code is None else f"failed (exit {code})")
+    print(f"== {job.name}: {status} in {seconds:.1f} s", file=log, flush=True)
+    return {"name": job.name, "ok": ok, "seconds": round(seconds, 1), "returncode": code,
+            "ranks": job.ranks, "command": shown,
+            "foreign_cpu": round(max(0.0, foreign), 3) if foreign == foreign else None}
+
+
+def record_runs(path: Path, quick: bool, seconds: float, runs: list[dict]) -> None:
+    """Write ``runs.json``; jobs of an earlier run of the same kind that were not rerun stay."""
+    jobs = {r["name"]: r for r in runs}
+    try:
+        before = json.loads(path.read_text())
+        if bool(before.get("quick")) == quick:
+            kept = [j for j in before.get("jobs", []) if j["name"] not in jobs]
+            seconds += sum(j.get("seconds", 0.0) for j in kept)
+            jobs = {**{j["name"]: j for j in kept}, **jobs}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    order = [j.name for j in plan(quick)]
+    merged = sorted(jobs.values(), key=lambda j: order.index(j["name"]) if j["name"] in order else 99)
+    path.write_text(json.dumps({"quick": quick, "seconds": round(seconds, 1), "jobs": merged},
+                               indent=1) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m pympar bench`` (also ``python benchmarks/run.py``)."""
+    parser = argparse.ArgumentParser(prog="python -m pympar bench",
+                                     description="Run pympar's benchmarks and write JSON, "
+                                                 "PNG plots and a markdown table.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` options (shared with ``python -m pympar bench``)."""
+    parser.add_argument("--quick", action="store_true",
+                        help="few sizes, few repeats, small shapes (under two minutes)")
+    parser.add_argument("--out", default="bench-results",
+                        help="folder for JSON, plots and results.md (default: ./bench-results)")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
+                             "comm_volume_27); repeatable")
+    parser.add_argument("--skip", action="append", default=[], metavar="NAME",
+                        help="skip this job; repeatable")
+    parser.add_argument("--mpiexec", default=None, help="launcher (default: as scripts/mpirun.sh)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="before each job, wait up to this long for an idle machine")
+    parser.add_argument("--report-only", action="store_true",
+                        help="do not run anything; rewrite results.md and plots from --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the planned jobs and write the report; returns the exit status."""
+    from benchmarks import report
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = plan(args.quick)
+    known = {job.name for job in jobs} | {"comm_volume_27"}
+    for name in [*args.only, *args.skip]:
+        if name not in known:
+            print(f"pympar bench: unknown job {name!r}; choose from {sorted(known)}", file=sys.stderr)
+            return 2
+    jobs = [j for j in jobs if (not args.only or j.name in args.only) and j.name not in args.skip]
+    runs: list[dict] = []
+    if not args.report_only:
+        try:
+            mpiexec = find_mpiexec(args.mpiexec)
+        except FileNotFoundError as err:
+            print(f"pympar bench: {err}", file=sys.stderr)
+            return 2
+        open_mpi = is_open_mpi(mpiexec)
+        for name in SLOW_BLAS_ENV:
+            if os.environ.get(name):
+                print(f"pympar bench: note: {name}={os.environ[name]} is set and may select a "
+                      f"slower BLAS kernel; the results record it (unset it for benchmark runs)")
+        start = time.monotonic()
+        for job in jobs:
+            busy = wait_until_quiet(args.wait_quiet) if args.wait_quiet > 0 else busy_fraction(0.5)
+            record = run_job(job, out, mpiexec, open_mpi)
+            record["busy_before"] = round(busy, 3)
+            runs.append(record)
+        total = time.monotonic() - start
+        record_runs(out / "runs.json", args.quick, total, runs)
+        print(f"== all jobs done in {total:.1f} s")
+    written = report.write_report(out)
+    for path in written:
+        print(f"wrote {path}")
+    failed = [r["name"] for r in runs if not r["ok"]]
+    if failed:
+        print(f"pympar bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())
