@@ -82,7 +82,7 @@ def _no_sizes(sizes: Any, what: str) -> None:
 
 def _identity(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
     _no_sizes(sizes, "identity")
-    if out is None:
+    if out is None or out is x:
         return x
     out[...] = x
     return out

@@ -256,3 +256,19 @@ def test_dropout_determinism_eval_and_mask():
     assert not Dropout(1.0).forward(x).any()
     with pytest.raises(ValueError, match="p must be"):
         Dropout(1.5)
+
+
+def test_gelu_blocks_match_closed_form():
+    """GELU runs NumPy arrays in cache-sized blocks; block edges must not show."""
+    from pympar.modules.activations import _GELU_BLOCK
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, _GELU_BLOCK + 7)) * 3
+    dy = rng.standard_normal(x.shape)
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    tanh = np.tanh(k * (x + c * x * x * x))
+    expected_y = 0.5 * x * (1 + tanh)
+    expected_dx = dy * (0.5 * (1 + tanh) + 0.5 * x * (1 - tanh * tanh) * k * (1 + 3 * c * x * x))
+    gelu = GELU()
+    np.testing.assert_allclose(gelu.forward(x), expected_y, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gelu.backward(dy), expected_dx, rtol=1e-12, atol=1e-12)

@@ -19,12 +19,21 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 
 
+#: Elements per block of GELU's element-wise passes on NumPy arrays: small enough that a
+#: block's operands (x, T, y or dy, dx: 128 KiB each in float32) stay in the L2 cache while
+#: the ~8 passes run over them, large enough that the ~1 us cost of a ufunc call is small.
+#: Unblocked, every pass streams the whole array through memory; that made GELU a quarter of
+#: a tensor-parallel MLP step (benchmarks/README.md).
+_GELU_BLOCK = 1 << 15
+
+
 class GELU(Module):
     """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
 
     Forward allocates the output and one cached array (the tanh value); backward allocates
     only ``dx`` and turns the cached array into scratch, which the next forward of the same
-    shape reuses.
+    shape reuses. On NumPy arrays both run block by block (``_GELU_BLOCK`` elements) so that
+    all passes over a block hit the cache; CuPy arrays take whole-array passes.
     """
 
     def __init__(self) -> None:
@@ -40,22 +49,49 @@ class GELU(Module):
                 return spare
         return array_module(like).empty_like(like)
 
+    @staticmethod
+    def _forward_into(xp: Any, x: Any, t: Any, y: Any) -> None:
+        """``t = tanh(k x (1 + c x^2))``, ``y = 0.5 x (1 + t)`` on same-shaped arrays."""
+        # k x (1 + c x^2) = x (k + (k c) x^2): multiplying x*x avoids a slow integer power.
+        xp.multiply(x, x, out=t)
+        t *= _SQRT_2_OVER_PI * _GELU_C
+        t += _SQRT_2_OVER_PI
+        t *= x
+        xp.tanh(t, out=t)
+        xp.add(t, 1.0, out=y)
+        y *= x
+        y *= 0.5
+
+    @staticmethod
+    def _backward_into(xp: Any, x: Any, t: Any, dy: Any, dx: Any) -> None:
+        """``dx = dy * 0.5 (1 + T) [1 + k x (1 + 3c x^2) (1 - T)]``; overwrites ``t``."""
+        xp.multiply(x, x, out=dx)
+        dx *= 3.0 * _GELU_C * _SQRT_2_OVER_PI
+        dx += _SQRT_2_OVER_PI
+        dx *= x
+        xp.subtract(1.0, t, out=t)  # t = 1 - T
+        dx *= t
+        dx += 1.0
+        xp.subtract(2.0, t, out=t)  # t = 1 + T
+        dx *= t
+        dx *= 0.5
+        dx *= dy
+
     def forward(self, x: Any) -> Any:
         """Apply GELU element-wise."""
         from pympar.backend import array_module
 
         xp = array_module(x)
         t = self._buffer(x)
-        # t = tanh(k * x * (1 + c x^2)); multiplying x*x avoids a slow integer power.
-        xp.multiply(x, x, out=t)
-        t *= _GELU_C
-        t += 1.0
-        t *= x
-        t *= _SQRT_2_OVER_PI
-        xp.tanh(t, out=t)
-        y = xp.add(t, 1.0)
-        y *= x
-        y *= 0.5
+        y = xp.empty_like(x)
+        if xp is numpy and x.flags.c_contiguous:
+            xf, tf, yf = x.reshape(-1), t.reshape(-1), y.reshape(-1)
+            block = _GELU_BLOCK
+            for i in range(0, xf.size, block):
+                j = i + block
+                self._forward_into(xp, xf[i:j], tf[i:j], yf[i:j])
+        else:
+            self._forward_into(xp, x, t, y)
         self.save_for_backward(x, t)
         return y
 
@@ -69,18 +105,15 @@ class GELU(Module):
 
         x, t = self.saved_tensors()
         xp = array_module(x)
-        dx = xp.multiply(x, x)
-        dx *= 3.0 * _GELU_C
-        dx += 1.0
-        dx *= x
-        dx *= _SQRT_2_OVER_PI
-        xp.subtract(1.0, t, out=t)  # t = 1 - T
-        dx *= t
-        dx += 1.0
-        xp.subtract(2.0, t, out=t)  # t = 1 + T
-        dx *= t
-        dx *= 0.5
-        dx *= dy
+        dx = xp.empty_like(x)
+        if xp is numpy and x.flags.c_contiguous and dy.flags.c_contiguous and dy.shape == x.shape:
+            xf, tf, df, gf = x.reshape(-1), t.reshape(-1), dy.reshape(-1), dx.reshape(-1)
+            block = _GELU_BLOCK
+            for i in range(0, xf.size, block):
+                j = i + block
+                self._backward_into(xp, xf[i:j], tf[i:j], df[i:j], gf[i:j])
+        else:
+            self._backward_into(xp, x, t, dy, dx)
         self._spare = t
         return dx
 
