@@ -46,6 +46,10 @@ lint: install
 docs: install
 	$(PY) -m sphinx -W --keep-going -b html -q docs docs/_build/html
 
+# Benchmarks against raw mpi4py (and torch when installed); the full run: benchmarks/README.md.
+bench: install
+	$(PY) -m pympar bench --quick --out out/bench
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info docs/_build
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
