@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import socket
 import sys
 from pathlib import Path
@@ -34,8 +35,10 @@ def _info(args: argparse.Namespace) -> int:
             print(f"MPI library       {MPI.Get_library_version().splitlines()[0].strip()}")
             print(f"MPI standard      {'.'.join(map(str, MPI.Get_version()))}, "
                   f"mpi4py {__import__('mpi4py').__version__}")
-            print(f"CUDA-aware MPI    {'unknown' if aware is None else aware} "
-                  f"(PYMPAR_CUDA_AWARE={backend.cuda_aware() and 'on' or 'off'} in use)")
+            library = {None: "unknown", True: "yes", False: "no"}[aware]
+            staging = "device buffers to MPI" if backend.cuda_aware() else "host staging"
+            print(f"CUDA-aware MPI    library says {library}; CuPy arrays use {staging} "
+                  f"(PYMPAR_CUDA_AWARE={os.environ.get('PYMPAR_CUDA_AWARE', 'auto')})")
             print(f"layout            {state.mesh!r}, mode {state.tensor_parallel_mode}")
             names = ["tensor", "context", "data", "data_context", *[m.value for m in state.groups_3d]]
             print("rank  host  coords  " + "  ".join(names))
