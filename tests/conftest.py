@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -28,6 +29,11 @@ _FAILED = pytest.StashKey[bool]()
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    if WORLD.Get_size() > 1 and config.option.basetemp is None:
+        # pytest's shared temporary root is pruned by every process at start-up: ranks
+        # racing to prune it warn. One fixed root per rank, emptied by pytest each session.
+        config.option.basetemp = os.path.join(tempfile.gettempdir(),
+                                              f"pympar-pytest-rank{WORLD.Get_rank()}")
     if WORLD.Get_rank() != 0:
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
