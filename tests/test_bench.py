@@ -120,7 +120,9 @@ def test_plans_and_launch_command(monkeypatch):
     assert {j.name for j in quick} == {"mappings", "torch_comm", "mlp", "comm_volume_8"}
     assert {j.name for j in full} == {j.name for j in quick} | {"comm_volume_27"}
     assert all((run.HERE / j.script).is_file() for j in full)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # scripts/mpirun.sh exports these when the suite itself runs under Open MPI
+    for name in ("OMP_NUM_THREADS", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        monkeypatch.delenv(name, raising=False)
     cmd, env = run.launch_command("/x/mpiexec", 8, ["python", "s.py"], open_mpi=True)
     assert cmd == ["/x/mpiexec", "--oversubscribe", "-n", "8", "python", "s.py"]
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
