@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpi_helpers import WORLD, agree, assert_equal, raises_everywhere
+from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere
 from pympar import collectives, debug, mappings
 from pympar.debug import CollectiveMismatchError, CollectiveTimeoutError, debug_mode
 from pympar.mesh import Mesh
@@ -164,8 +164,14 @@ def test_collectives_with_a_timeout_give_the_same_results(world):
             timed = [world.all_reduce(inputs[r]), world.all_gather(mine, 2),
                      world.reduce_scatter(inputs[r], 2), world.all_to_all(mine, 0, 2),
                      world.broadcast(inputs[r], root=p - 1)]
-        for a, b in zip(timed, blocking):
-            assert_equal(a, b, f"debug={enabled}")
+        # Sums may round differently: MPI does not promise Iallreduce the same reduction
+        # order as Allreduce (Open MPI on 4 ranks differs in the last bit). Moves are exact.
+        for name, a, b in zip(("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                               "broadcast"), timed, blocking):
+            if name in ("all_reduce", "reduce_scatter"):
+                assert_close(a, b, rtol=1e-14, atol=1e-14, what=f"{name} debug={enabled}")
+            else:
+                assert_equal(a, b, f"{name} debug={enabled}")
 
 
 @pytest.mark.mpi(min_size=2)
