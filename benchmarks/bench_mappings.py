@@ -24,7 +24,6 @@ import json
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import timed_parallel  # noqa: E402
 from pympar import mappings  # noqa: E402
 from pympar.collectives import balanced_sizes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
@@ -155,16 +155,6 @@ def cases(group: Any, nbytes: int, dtype: np.dtype) -> list[Case]:
     ]
 
 
-def batch_time(comm: MPI.Comm, fn: Callable[[], Any], calls: int) -> float:
-    """Seconds per call of a batch, the slowest rank's."""
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = (time.perf_counter() - start) / calls
-    return comm.allreduce(elapsed, op=MPI.MAX)
-
-
 def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
             repeats: int, warmup: int) -> dict[str, float]:
     """Medians over interleaved samples (raw, pympar, mpi; pympar, raw, mpi; ...).
@@ -175,7 +165,7 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
     for fn in (raw, mpi_only, ours):
         for _ in range(warmup):
             fn()
-    single = batch_time(comm, ours, 3)
+    single = timed_parallel(comm, ours, 3)
     # Batches of >= ~2 ms so timer and barrier noise stay small at 1 KiB.
     calls = comm.bcast(max(1, min(2000, int(2e-3 / max(single, 1e-7)))))
     raws, ourss, mpis = [], [], []
@@ -183,12 +173,12 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
         # ABBA: alternate which side runs first, so neither always inherits the
         # caches (or the drift) the other left behind.
         if i % 2:
-            ourss.append(batch_time(comm, ours, calls))
-            raws.append(batch_time(comm, raw, calls))
+            ourss.append(timed_parallel(comm, ours, calls))
+            raws.append(timed_parallel(comm, raw, calls))
         else:
-            raws.append(batch_time(comm, raw, calls))
-            ourss.append(batch_time(comm, ours, calls))
-        mpis.append(batch_time(comm, mpi_only, calls))
+            raws.append(timed_parallel(comm, raw, calls))
+            ourss.append(timed_parallel(comm, ours, calls))
+        mpis.append(timed_parallel(comm, mpi_only, calls))
     med = statistics.median
     return {"raw_us": med(raws) * 1e6, "pympar_us": med(ourss) * 1e6, "mpi_us": med(mpis) * 1e6,
             "ratio": med(o / r for o, r in zip(ourss, raws) if r > 0),
