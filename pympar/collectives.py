@@ -106,9 +106,12 @@ def _hooked_call(self: Any, operation: str, body: Callable[..., Any], x: Any, ou
     timeout = debug.get_timeout()
     if debug.is_enabled() and self.size > 1:
         key, shown = signature(x)
-        debug.check(self, key, shown, timeout)
-        if out is not None and out is not x and type(out) is type(x) \
-                and _xp(x).may_share_memory(out, x):
+        # Facts only this rank can see go into the compared key, so that a rank
+        # about to raise makes every rank raise instead of leaving them waiting.
+        overlap = (out is not None and out is not x and type(out) is type(x)
+                   and bool(_xp(x).may_share_memory(out, x)))
+        debug.check(self, (key, overlap), f"{shown}, out overlaps input: {overlap}", timeout)
+        if overlap:
             raise ValueError(f"{operation} on group {self.name!r}: out overlaps the input "
                              f"without being the input itself")
     if not stats.is_recording():
@@ -203,7 +206,7 @@ def all_gather(self: Any, x: Any, axis: int = 0, out: Any = None,
     """
     if _hooked:
         return _hooked_call(self, "all_gather", _all_gather, x, out, (axis, out, sizes),
-                            lambda a: _gather_signature(a, axis, sizes))
+                            lambda a: _gather_signature(self, a, axis, sizes))
     if type(x) is _ndarray and type(sizes) is tuple:
         plan = self._plans.get(("all_gather", x.shape, x.dtype, axis, sizes))
         if plan is not None:
@@ -226,12 +229,19 @@ def all_gather(self: Any, x: Any, axis: int = 0, out: Any = None,
     return _all_gather(self, x, axis, out, sizes, None)
 
 
-def _gather_signature(x: Any, axis: int, sizes: Sequence[int] | None) -> tuple:
+def _fits(group: Any, x: Any, axis: int, known: tuple[int, ...] | None) -> bool:
+    """Whether ``sizes`` given by the caller match this rank's extent (debug mode)."""
+    return known is None or (len(known) == group.size and 0 <= axis < x.ndim
+                             and known[group.rank] == x.shape[axis])
+
+
+def _gather_signature(group: Any, x: Any, axis: int, sizes: Sequence[int] | None) -> tuple:
     axis = _normalize_axis(axis, x.ndim, "all_gather") if x.ndim else axis
     masked = tuple("*" if i == axis else n for i, n in enumerate(x.shape))
     known = None if sizes is None else tuple(int(s) for s in sizes)
-    return (("all_gather", masked, str(x.dtype), axis, known),
-            _describe("all_gather", x, axis=axis, sizes=known))
+    fits = _fits(group, x, axis, known)
+    return (("all_gather", masked, str(x.dtype), axis, known, fits),
+            _describe("all_gather", x, axis=axis, sizes=known, sizes_fit=fits))
 
 
 # --------------------------------------------------------------------------- reduce_scatter
@@ -317,7 +327,7 @@ def all_to_all(self: Any, x: Any, split_axis: int, concat_axis: int, out: Any = 
     if _hooked:
         return _hooked_call(self, "all_to_all", _all_to_all, x, out,
                             (split_axis, concat_axis, out, sizes),
-                            lambda a: _a2a_signature(a, split_axis, concat_axis, sizes))
+                            lambda a: _a2a_signature(self, a, split_axis, concat_axis, sizes))
     if type(x) is _ndarray and type(sizes) is tuple:
         plan = self._plans.get(("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes))
         if plan is not None:
@@ -325,13 +335,15 @@ def all_to_all(self: Any, x: Any, split_axis: int, concat_axis: int, out: Any = 
     return _all_to_all(self, x, split_axis, concat_axis, out, sizes, None)
 
 
-def _a2a_signature(x: Any, split_axis: int, concat_axis: int, sizes: Any) -> tuple:
+def _a2a_signature(group: Any, x: Any, split_axis: int, concat_axis: int, sizes: Any) -> tuple:
     concat = concat_axis + x.ndim if concat_axis < 0 else concat_axis
     split = split_axis + x.ndim if split_axis < 0 else split_axis
     masked = tuple("*" if i == concat else n for i, n in enumerate(x.shape))
     known = None if sizes is None else tuple(int(s) for s in sizes)
-    return (("all_to_all", masked, str(x.dtype), split, concat, known),
-            _describe("all_to_all", x, split_axis=split, concat_axis=concat, sizes=known))
+    fits = _fits(group, x, concat, known)
+    return (("all_to_all", masked, str(x.dtype), split, concat, known, fits),
+            _describe("all_to_all", x, split_axis=split, concat_axis=concat, sizes=known,
+                      sizes_fit=fits))
 
 
 # --------------------------------------------------------------------------- broadcast

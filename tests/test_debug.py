@@ -274,3 +274,12 @@ def test_debug_mode_lets_a_correct_job_finish():
     status, output = launch("matching", PYMPAR_DEBUG="1", PYMPAR_TIMEOUT="30")
     assert status == 0, output
     assert "[rank 0] completed" in output and "[rank 1] completed" in output, output
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_size_that_fits_only_some_ranks_raises_everywhere(world):
+    """``size=`` skips the size exchange; debug mode still catches a wrong one on every rank."""
+    x = np.zeros((3, 4))  # every rank holds 3 rows, but size=5 gives rank 0 three, rank 1 two
+    with debug_mode(enabled=True, timeout=30.0):
+        raises_everywhere(CollectiveMismatchError, "sizes_fit", mappings.gather_from_sequence,
+                          x, world, size=3 * world.size - 1)
