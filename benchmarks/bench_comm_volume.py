@@ -132,7 +132,6 @@ def linear_3d_counts(tokens: int, fin: int, fout: int, d: int, a: int, w: int, c
     _add(counts, go, "all_gather", s * y_loc * wrows, s * rows_w * wrows)     # dy over output
     _add(counts, gw, "reduce_scatter", s * wrows * cin, s * wloc * cin)       # dW over weight
     if bias:
-        _add(counts, go, "all_reduce", s * wrows, s * wrows)                  # db over output
         _add(counts, gw, "reduce_scatter", s * wrows, s * wloc)               # db over weight
     _add(counts, gi, "reduce_scatter", s * rows_w * cin, s * x_loc * cin)     # dx over input
     return counts
@@ -207,10 +206,10 @@ def total_exchanged(counts: Counts, sizes: dict[str, int]) -> Fraction:
 def even_3d_elements(tokens: int, hidden: int, ffn: int, d: int, bias: bool = True) -> Fraction:
     """Exchanged elements per rank of the 3D MLP when every split is even.
 
-    ``4 (d-1)/d^3 (N H + N F + H F) + 4 (d-1)/d^2 (H + F)`` (the last term: biases).
+    ``4 (d-1)/d^3 (N H + N F + H F) + 2 (d-1)/d^2 (H + F)`` (the last term: biases).
     """
     e = Fraction(4 * (d - 1), d ** 3) * (tokens * hidden + tokens * ffn + hidden * ffn)
-    return e + (Fraction(4 * (d - 1), d * d) * (hidden + ffn) if bias else 0)
+    return e + (Fraction(2 * (d - 1), d * d) * (hidden + ffn) if bias else 0)
 
 
 def even_1d_elements(tokens: int, hidden: int, p: int) -> Fraction:

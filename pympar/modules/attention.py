@@ -129,9 +129,11 @@ class DistributedAttention(Module):
         qkv = self.qkv.forward(x).reshape(s_local, batch, 3, self.num_heads, self.head_dim)
         qkv = mappings.all_to_all_from_sequence_to_hidden(qkv, group=self.group, seq_axis=0,
                                                           head_axis=3)
+        # The full sequence and the head count are known from here on: passing them
+        # as size= spares the later all-to-alls their exchange of block sizes.
         out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
         out = mappings.all_to_all_from_hidden_to_sequence(out, group=self.group, seq_axis=0,
-                                                          head_axis=2)
+                                                          head_axis=2, size=self.num_heads)
         self.save_for_backward(cache, qkv.shape)
         return self.proj.forward(out.reshape(s_local, batch, self.hidden))
 
@@ -141,11 +143,13 @@ class DistributedAttention(Module):
         s_local, batch = dy.shape[0], dy.shape[1]
         dout = self.proj.backward(dy).reshape(s_local, batch, self.num_heads, self.head_dim)
         dout = mappings.all_to_all_from_hidden_to_sequence.backward(dout, group=self.group,
-                                                                    seq_axis=0, head_axis=2)
+                                                                    seq_axis=0, head_axis=2,
+                                                                    size=qkv_shape[0])
         xp = array_module(dy)
         dqkv = xp.stack(attention_backward(dout, cache), axis=2)
         dqkv = mappings.all_to_all_from_sequence_to_hidden.backward(dqkv, group=self.group,
-                                                                    seq_axis=0, head_axis=3)
+                                                                    seq_axis=0, head_axis=3,
+                                                                    size=self.num_heads)
         return self.qkv.backward(dqkv.reshape(s_local, batch, 3 * self.hidden))
 
 

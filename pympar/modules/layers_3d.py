@@ -28,6 +28,7 @@ from typing import Any, Union
 import numpy
 
 from ..backend import array_module
+from ..collectives import balanced_sizes
 from ..group import Group
 from ..initializer_3d import ParallelMode
 from .core import Module, Parameter
@@ -191,6 +192,10 @@ class Linear3D(Module):
             raise ValueError(f"Linear3D: features ({self.in_features}, {self.out_features}) "
                              f"must be at least depth**2 = {d * d}")
         rows, cols = self.layout.weight_block(self.out_features, self.in_features)
+        # Rows of the weight (and bias) block each weight-group rank holds: known, so the
+        # gathers over the weight group skip their exchange of sizes.
+        block_rows = block_slice(self.out_features, d, self.layout.input.rank)
+        self._gathered_rows = balanced_sizes(block_rows.stop - block_rows.start, d)
         weight = init_weight_block((self.out_features, self.in_features), [rows], [cols],
                                    get_init_method(init_method), self.dtype, seed=seed, xp=xp)
         self.weight = Parameter(weight, group=self.layout.weight)
@@ -242,12 +247,12 @@ class Linear3D(Module):
         _check_local(self, x, in_local, self.dtype)
         xp = array_module(x)
         x_rows = layout.input.all_gather(x, axis=0)
-        w_rows = layout.weight.all_gather(self.weight.data, axis=0)
+        w_rows = layout.weight.all_gather(self.weight.data, axis=0, sizes=self._gathered_rows)
         x2d = x_rows.reshape(-1, in_local)
         partial = xp.matmul(x2d, w_rows.T).reshape(*x_rows.shape[:-1], w_rows.shape[0])
         y = layout.output.reduce_scatter(partial, axis=0)
         if self.bias is not None:
-            y += layout.weight.all_gather(self.bias.data, axis=0)
+            y += layout.weight.all_gather(self.bias.data, axis=0, sizes=self._gathered_rows)
         self.save_for_backward(x2d, x_rows.shape, w_rows, y.shape)
         return y
 
@@ -263,7 +268,8 @@ class Linear3D(Module):
         self.weight.accumulate_grad(layout.weight.reduce_scatter(dy_rows.T @ x2d, axis=0),
                                     consume=True)
         if self.bias is not None:
-            db = layout.output.all_reduce(dy.reshape(-1, dy.shape[-1]).sum(axis=0))
+            # dy_rows already holds the output group's rows: its column sums are that sum.
+            db = dy_rows.sum(axis=0)
             self.bias.accumulate_grad(layout.weight.reduce_scatter(db, axis=0), consume=True)
         return layout.input.reduce_scatter(dx_rows, axis=0)
 

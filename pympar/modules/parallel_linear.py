@@ -184,7 +184,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         y, x2d = self._local_affine(total)
         if self.bias is not None and not self.skip_bias_add:
             y += self.bias.data
-        self.save_for_backward(x2d, total.shape, x.shape)
+        self.save_for_backward(x2d, total.shape)
         if self.gather_output:
             y = mappings.gather_from_hidden(y, group=self.group, size=self.out_features)
         if not self.skip_bias_add:
@@ -204,7 +204,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         dbias : array, optional
             With ``skip_bias_add``: the gradient of the returned bias.
         """
-        x2d, total_shape, x_shape = self.saved_tensors()
+        x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
         self._check_grad(dy, (*total_shape[:-1], width))
         if self.gather_output:
@@ -312,13 +312,17 @@ class RowParallelLinear(_TensorParallelLinear):
         if self.bias is not None:
             if not self.skip_bias_add:
                 dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+            if self.use_sequence_parallel:
+                # Each rank saw only its sequence block; the bias is shared by all rows.
+                # Every rank joins the sum, a rank without a bias gradient with zeros.
+                if dbias is None:
+                    dbias = array_module(dy).zeros_like(self.bias.data)
+                dbias = self.group.all_reduce(dbias)
             if dbias is not None:
-                if self.use_sequence_parallel:
-                    # Each rank saw only its sequence block; the bias is shared by all rows.
-                    dbias = self.group.all_reduce(dbias)
                 self.bias.accumulate_grad(dbias)
         if self.use_sequence_parallel:
-            dpartial = mappings.reduce_scatter_to_sequence.backward(dy, group=self.group)
+            dpartial = mappings.reduce_scatter_to_sequence.backward(dy, group=self.group,
+                                                                    size=x_shape[0])
         else:
             dpartial = mappings.reduce_from_all.backward(dy, group=self.group)
         dx = self._local_affine_backward(dpartial, x2d, x_shape)
