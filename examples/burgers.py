@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from pympar import manager
+from pympar.collectives import block_slice
 from pympar.modules import (GELU, ColumnParallelLinear, DistributedAttention, LayerNorm, Linear,
                             Linear3D, Module, RowParallelLinear, layout_3d)
 from pympar.optim import AdamW, allreduce_gradients
@@ -168,13 +169,6 @@ class BurgersTransformer(Module):
 # ---------------------------------------------------------------- training
 
 
-def block_of(n: int, parts: int, index: int) -> slice:
-    """Balanced block ``index`` of ``n`` items in ``parts`` (numpy.array_split's rule)."""
-    q, r = divmod(n, parts)
-    start = index * q + min(index, r)
-    return slice(start, start + q + (index < r))
-
-
 def tokens(u: np.ndarray, grid_slice: slice, dtype) -> np.ndarray:
     """Model input ``[grid_local, batch, (u, sin x, cos x)]`` for fields ``u`` (batch, grid)."""
     x = np.linspace(0.0, 2.0 * np.pi, u.shape[1], endpoint=False)[grid_slice]
@@ -218,7 +212,7 @@ def _train(args, comm, state) -> dict:
     rank = comm.Get_rank()
     dp, cp = state.data.size, state.context.size
     reduce_group = state.data_context
-    grid_slice = block_of(args.grid, cp, state.context.rank)
+    grid_slice = block_slice(args.grid, cp, state.context.rank)
     u_train, v_train = make_pairs(args.seed, args.trajectories, args.frames, args.grid, args.dt, args.nu)
     u_val, v_val = make_pairs(args.seed + 1, max(args.trajectories // 4, 2), args.frames,
                               args.grid, args.dt, args.nu)
@@ -248,7 +242,7 @@ def _train(args, comm, state) -> dict:
         # cosine decay to a tenth of the initial rate
         optimizer.lr = args.lr * (0.55 + 0.45 * np.cos(np.pi * step / args.steps))
         batch = shuffle.choice(len(u_train), args.batch, replace=False)
-        mine = batch[block_of(args.batch, dp, state.data.rank)]
+        mine = batch[block_slice(args.batch, dp, state.data.rank)]
         x = tokens(u_train[mine], grid_slice, dtype)
         target = ((v_train[mine] - u_train[mine])[:, grid_slice].T / scale).astype(dtype)
         model.zero_grad()
@@ -275,7 +269,7 @@ def _train(args, comm, state) -> dict:
     # Validation: one-step prediction against the solver, and doing nothing as a baseline.
     sums = np.zeros(3)
     for part in np.array_split(np.arange(len(u_val)), max(len(u_val) // args.batch, 1)):
-        mine = part[block_of(len(part), dp, state.data.rank)]
+        mine = part[block_slice(len(part), dp, state.data.rank)]
         du = model.forward(tokens(u_val[mine], grid_slice, dtype)).T.astype(np.float64) * scale
         truth = v_val[mine][:, grid_slice]
         now = u_val[mine][:, grid_slice]

@@ -64,6 +64,21 @@ def balanced_sizes(n: int, parts: int) -> tuple[int, ...]:
     return (q + 1,) * r + (q,) * (parts - r)
 
 
+def block_slice(n: int, parts: int, index: int) -> slice:
+    """Block ``index`` of ``n`` items split over ``parts`` like ``numpy.array_split``.
+
+    The slice that :func:`balanced_sizes` assigns to rank ``index``.
+
+    Examples
+    --------
+    >>> block_slice(5, 3, 2)
+    slice(4, 5, None)
+    """
+    q, r = divmod(int(n), int(parts))
+    start = index * q + min(index, r)
+    return slice(start, start + q + (index < r))
+
+
 def _offsets(sizes: Sequence[int]) -> tuple[int, ...]:
     out, total = [], 0
     for s in sizes:

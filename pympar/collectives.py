@@ -47,7 +47,7 @@ from . import _wire, debug, stats
 from ._general import (_all_gather, _all_reduce, _all_to_all, _broadcast, _reduce_scatter,
                        _run_all_to_all, _run_gather, _run_reduce_scatter)
 from ._plans import _normalize_axis
-from ._wire import (_IN_PLACE, _coerce, _ndarray, _xp, balanced_sizes, check_count,
+from ._wire import (_IN_PLACE, _coerce, _ndarray, _xp, balanced_sizes, block_slice, check_count,
                     large_counts_supported)
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "balanced_sizes",
+    "block_slice",
     "check_count",
     "large_counts_supported",
     "INT_MAX",

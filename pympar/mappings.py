@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from . import collectives as _collectives
 from . import debug, manager
-from .collectives import balanced_sizes
+from .collectives import balanced_sizes, block_slice
 from .group import Group
 
 __all__ = [
@@ -64,9 +64,8 @@ SEQUENCE, HIDDEN = 0, -1
 
 @functools.lru_cache(maxsize=4096)
 def _block_range(n: int, parts: int, rank: int) -> tuple[int, int]:
-    sizes = balanced_sizes(n, parts)
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
+    block = block_slice(n, parts, rank)
+    return block.start, block.stop
 
 
 # ----------------------------------------------------------------- steps

@@ -425,3 +425,14 @@ def test_mpi_datatypes_are_predefined():
     assert backend.mpi_datatype(pair).Get_size() == pair.itemsize
     with pytest.raises(TypeError, match="cannot send arrays of dtype object"):
         backend.mpi_datatype(np.dtype(object))
+
+
+def test_block_slice_matches_array_split():
+    from pympar.collectives import block_slice
+
+    for n in range(0, 23):
+        for parts in range(1, 9):
+            expected = np.array_split(np.arange(n), parts)
+            got = [np.arange(n)[block_slice(n, parts, r)] for r in range(parts)]
+            assert all(np.array_equal(a, b) for a, b in zip(got, expected)), (n, parts)
+            assert [len(g) for g in got] == list(balanced_sizes(n, parts))

@@ -25,6 +25,8 @@ from typing import Any, Callable, Union
 
 import numpy
 
+from ..collectives import block_slice
+
 __all__ = [
     "InitMethod",
     "xavier_uniform",
@@ -194,9 +196,9 @@ def partition_slices(size: int, tp_world_size: int, rank: int, stride: int = 1) 
     _check_partition(size, tp_world_size, rank, stride)
     out = []
     for part in range(stride):
-        p_start, p_len = _balanced(size, stride, part)
-        r_start, r_len = _balanced(p_len, tp_world_size, rank)
-        out.append(slice(p_start + r_start, p_start + r_start + r_len))
+        whole = block_slice(size, stride, part)
+        mine = block_slice(whole.stop - whole.start, tp_world_size, rank)
+        out.append(slice(whole.start + mine.start, whole.start + mine.stop))
     return out
 
 
@@ -204,12 +206,6 @@ def partition_indices(size: int, tp_world_size: int, rank: int, stride: int = 1)
     """Global indices owned by ``rank``, as an int64 array; see :func:`partition_slices`."""
     pieces = [numpy.arange(s.start, s.stop) for s in partition_slices(size, tp_world_size, rank, stride)]
     return numpy.concatenate(pieces).astype(numpy.int64, copy=False)
-
-
-def _balanced(n: int, p: int, i: int) -> tuple[int, int]:
-    # numpy.array_split rule: the first n % p pieces are one item longer.
-    q, rem = divmod(n, p)
-    return i * q + min(i, rem), q + (1 if i < rem else 0)
 
 
 def _check_partition(size: int, tp_world_size: int, rank: int, stride: int) -> None:

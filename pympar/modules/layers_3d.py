@@ -28,20 +28,13 @@ from typing import Any, Union
 import numpy
 
 from ..backend import array_module
-from ..collectives import balanced_sizes
+from ..collectives import balanced_sizes, block_slice
 from ..group import Group
 from ..initializer_3d import ParallelMode
 from .core import Module, Parameter
 from .init import BIAS_STREAM, InitMethod, get_init_method, init_weight_block, uniform
 
 __all__ = ["Layout3D", "layout_3d", "Linear3D", "LayerNorm3D", "block_slice", "nested_slice"]
-
-
-def block_slice(n: int, parts: int, index: int) -> slice:
-    """Block ``index`` of ``n`` items split into ``parts`` by the balanced rule."""
-    q, r = divmod(n, parts)
-    start = index * q + min(index, r)
-    return slice(start, start + q + (index < r))
 
 
 def nested_slice(n: int, parts: int, outer: int, inner: int) -> slice:
