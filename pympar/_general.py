@@ -13,7 +13,7 @@ blocking MPI call, or the seconds after which a non-blocking one raises
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -30,8 +30,21 @@ from ._wire import (_IN_PLACE, INT_MAX, _coerce, _dtype_info, _from_wire, _ndarr
 _DTYPES, _FAST_REDUCE, _OPS = _wire._DTYPES, _wire._FAST_REDUCE, _wire._OPS
 
 
-def _wait(self: Any, request: MPI.Request, operation: str, timeout: float, start: float) -> None:
-    debug.wait(request, operation, self, timeout, start)
+def _call(self: Any, blocking: Callable[..., Any], nonblocking: Callable[..., MPI.Request],
+          args: tuple, operation: str, timeout: float | None) -> None:
+    """Run the blocking MPI call, or with a timeout its non-blocking twin polled until done."""
+    if timeout is None:
+        blocking(*args)
+    else:
+        debug.wait(nonblocking(*args), operation, self, timeout, time.monotonic())
+
+
+def _receive_buffer(self: Any, plan: Any, blocks: Any, dest: Any, x: Any, numpy: bool) -> Any:
+    """Where MPI writes: ``dest`` itself when blocks land in place, else a reused scratch."""
+    if blocks.contiguous:
+        return dest
+    recv = self._buffers.get(plan.recv_key) if numpy else None
+    return _scratch(self, "recv", x.dtype, blocks, x) if recv is None else recv
 
 
 # --------------------------------------------------------------------------- all_reduce
@@ -66,10 +79,7 @@ def _all_reduce(self: Any, x: Any, op: str, out: Any, timeout: float | None) -> 
         recv[...] = x
     wsend, wrecv = (send, recv) if xp is np else _to_wire(send, recv)
     args = (wsend if wsend is _IN_PLACE else [wsend, wire_type], [wrecv, wire_type], mpi_op)
-    if timeout is None:
-        self.comm.Allreduce(*args)
-    else:
-        _wait(self, self.comm.Iallreduce(*args), "all_reduce", timeout, time.monotonic())
+    _call(self, self.comm.Allreduce, self.comm.Iallreduce, args, "all_reduce", timeout)
     if xp is not np:
         _from_wire(recv, wrecv)
     if acc is not None:
@@ -116,25 +126,14 @@ def _run_gather(self: Any, plan: _Plan, x: Any, out: Any, timeout: float | None)
     else:
         send = _temp(self, "send", x.shape, x.dtype, np if numpy else _xp(x))
         send[...] = x
-    if b.contiguous:
-        recv = dest
-    else:
-        recv = self._buffers.get(plan.recv_key) if numpy else None
-        if recv is None:
-            recv = _scratch(self, "recv", x.dtype, b, x)
+    recv = _receive_buffer(self, plan, b, dest, x, numpy)
     wsend, wrecv = (send, recv) if numpy else _to_wire(send, recv)
     if b.even:
         args: tuple = ([wsend, t], [wrecv, t])
-        if timeout is None:
-            self.comm.Allgather(*args)
-        else:
-            _wait(self, self.comm.Iallgather(*args), "all_gather", timeout, time.monotonic())
+        _call(self, self.comm.Allgather, self.comm.Iallgather, args, "all_gather", timeout)
     else:
         args = ([wsend, t], [wrecv, (b.counts, b.displs), t])
-        if timeout is None:
-            self.comm.Allgatherv(*args)
-        else:
-            _wait(self, self.comm.Iallgatherv(*args), "all_gather", timeout, time.monotonic())
+        _call(self, self.comm.Allgatherv, self.comm.Iallgatherv, args, "all_gather", timeout)
     if not numpy:
         _from_wire(recv, wrecv)
     if b.contiguous:
@@ -196,18 +195,12 @@ def _run_reduce_scatter(self: Any, plan: _Plan, x: Any, out: Any, op: str,
     wsend, wrecv = (send, recv) if numpy else _to_wire(send, recv)
     if b.even:
         args: tuple = ([wsend, t], [wrecv, t], mpi_op)
-        if timeout is None:
-            self.comm.Reduce_scatter_block(*args)
-        else:
-            _wait(self, self.comm.Ireduce_scatter_block(*args), "reduce_scatter", timeout,
-                  time.monotonic())
+        _call(self, self.comm.Reduce_scatter_block, self.comm.Ireduce_scatter_block, args,
+              "reduce_scatter", timeout)
     else:
         args = ([wsend, t], [wrecv, t], b.counts, mpi_op)
-        if timeout is None:
-            self.comm.Reduce_scatter(*args)
-        else:
-            _wait(self, self.comm.Ireduce_scatter(*args), "reduce_scatter", timeout,
-                  time.monotonic())
+        _call(self, self.comm.Reduce_scatter, self.comm.Ireduce_scatter, args,
+              "reduce_scatter", timeout)
     if not numpy:
         _from_wire(recv, wrecv)
     if acc is not None:
@@ -266,25 +259,14 @@ def _run_all_to_all(self: Any, plan: _Plan, x: Any, out: Any, timeout: float | N
             send[...] = x.reshape(sb.by_axis).transpose(1, 0, 2, 3)
         else:
             _pack(send, x, sb)
-    if rb.contiguous:
-        recv = dest
-    else:
-        recv = self._buffers.get(plan.recv_key) if numpy else None
-        if recv is None:
-            recv = _scratch(self, "recv", x.dtype, rb, x)
+    recv = _receive_buffer(self, plan, rb, dest, x, numpy)
     wsend, wrecv = (send, recv) if numpy else _to_wire(send, recv)
     if plan.fast:
         args: tuple = ([wsend, t], [wrecv, t])
-        if timeout is None:
-            self.comm.Alltoall(*args)
-        else:
-            _wait(self, self.comm.Ialltoall(*args), "all_to_all", timeout, time.monotonic())
+        _call(self, self.comm.Alltoall, self.comm.Ialltoall, args, "all_to_all", timeout)
     else:
         args = ([wsend, (sb.counts, sb.displs), t], [wrecv, (rb.counts, rb.displs), t])
-        if timeout is None:
-            self.comm.Alltoallv(*args)
-        else:
-            _wait(self, self.comm.Ialltoallv(*args), "all_to_all", timeout, time.monotonic())
+        _call(self, self.comm.Alltoallv, self.comm.Ialltoallv, args, "all_to_all", timeout)
     if not numpy:
         _from_wire(recv, wrecv)
     if rb.contiguous:
@@ -314,10 +296,7 @@ def _broadcast(self: Any, x: Any, root: int, out: Any, timeout: float | None) ->
     if self.rank == root and dest is not x:
         dest[...] = x
     wire = dest if numpy else _to_wire(_IN_PLACE, dest)[1]
-    if timeout is None:
-        self.comm.Bcast([wire, t], root)
-    else:
-        _wait(self, self.comm.Ibcast([wire, t], root), "broadcast", timeout, time.monotonic())
+    _call(self, self.comm.Bcast, self.comm.Ibcast, ([wire, t], root), "broadcast", timeout)
     if not numpy:
         _from_wire(dest, wire)
     return _done(out, dest)
