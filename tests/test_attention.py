@@ -104,6 +104,8 @@ def test_tensor_parallel_attention(clean, sp, xp_name):
 
 @pytest.mark.mpi(min_size=2)
 def test_attention_bad_input(clean):
+    raises_everywhere(RuntimeError, "DistributedAttention needs a context-parallel group",
+                      DistributedAttention, 8, 2)
     manager.initialize_parallel(2)
     raises_everywhere(ValueError, "num_heads 3 is not divisible by the tensor-parallel size 2",
                       ParallelAttention, 12, 3)

@@ -21,7 +21,7 @@ from ..backend import array_module
 from ..group import Group
 from .core import Module
 from .linear import Linear
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear, resolve_tensor_group
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear, resolve_group
 
 __all__ = ["attention_forward", "attention_backward", "DistributedAttention", "ParallelAttention"]
 
@@ -109,14 +109,7 @@ class DistributedAttention(Module):
         super().__init__()
         self.head_dim = _check_heads("DistributedAttention", hidden, num_heads)
         self.hidden, self.num_heads = int(hidden), int(num_heads)
-        if group is None:
-            from .. import manager
-
-            if not manager.is_initialized():
-                raise RuntimeError("DistributedAttention needs a context-parallel group: call "
-                                   "pympar.manager.initialize_parallel() first or pass group=")
-            group = manager.get_context_parallel_group()
-        self.group = group
+        self.group = resolve_group(group, "DistributedAttention", "context")
         self.qkv = Linear(hidden, 3 * hidden, bias, dtype=dtype, seed=seed, xp=xp)
         self.proj = Linear(hidden, hidden, bias, dtype=dtype, seed=seed + 1, xp=xp)
 
@@ -183,7 +176,7 @@ class ParallelAttention(Module):
                  dtype: Any = numpy.float32, seed: int = 0, xp: Any = None) -> None:
         super().__init__()
         self.head_dim = _check_heads("ParallelAttention", hidden, num_heads)
-        group = resolve_tensor_group(group, "ParallelAttention")
+        group = resolve_group(group, "ParallelAttention")
         if num_heads % group.size:
             raise ValueError(f"ParallelAttention: num_heads {num_heads} is not divisible by the "
                              f"tensor-parallel size {group.size}")

@@ -21,11 +21,19 @@ from .core import Module, Parameter
 from .init import InitMethod, bias_init as torch_bias_init, initialize_affine_weight, partition_slices
 from .linear import check_input
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_tensor_group"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_group"]
 
 
-def resolve_tensor_group(group: Group | None, layer: str) -> Group:
-    """Return ``group``, or the current tensor-parallel group when it is None.
+def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Group:
+    """Return ``group``, or this rank's current group of ``axis`` when it is None.
+
+    Parameters
+    ----------
+    group : Group or None
+    layer : str
+        Named in the error message.
+    axis : {"tensor", "context", "data", "data_context"}
+        Which group of the current parallel state to use.
 
     Raises
     ------
@@ -37,9 +45,10 @@ def resolve_tensor_group(group: Group | None, layer: str) -> Group:
     from .. import manager
 
     if not manager.is_initialized():
-        raise RuntimeError(f"{layer} needs a tensor-parallel group: call "
+        kind = {"tensor": "tensor-parallel", "context": "context-parallel"}.get(axis, axis)
+        raise RuntimeError(f"{layer} needs a {kind} group: call "
                            "pympar.manager.initialize_parallel() first or pass group=")
-    return manager.get_tensor_parallel_group()
+    return getattr(manager.get_parallel_state(), axis)
 
 
 def _make_bias(kind: str, num_features: int, fan_in: int, tp: int, rank: int, dtype: Any,
@@ -67,7 +76,7 @@ class _TensorParallelLinear(Module):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.dtype = numpy.dtype(dtype)
-        self.group = resolve_tensor_group(group, type(self).__name__)
+        self.group = resolve_group(group, type(self).__name__)
         self.skip_bias_add = bool(skip_bias_add)
         self.use_sequence_parallel = bool(use_sequence_parallel)
 
