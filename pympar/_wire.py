@@ -14,13 +14,13 @@ defined here and re-exported there.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import backend
+from .partition import balanced_sizes, block_slice  # noqa: F401  (re-exported by collectives)
 
 __all__ = ["INT_MAX", "balanced_sizes", "check_count", "large_counts_supported"]
 
@@ -35,48 +35,6 @@ _IN_PLACE = MPI.IN_PLACE
 
 
 # --------------------------------------------------------------------------- sizes
-
-
-@functools.lru_cache(maxsize=4096)
-def balanced_sizes(n: int, parts: int) -> tuple[int, ...]:
-    """Split ``n`` items over ``parts`` ranks like ``numpy.array_split``.
-
-    The first ``n % parts`` ranks hold one item more than the others.
-
-    Parameters
-    ----------
-    n : int
-        Number of items (>= 0).
-    parts : int
-        Number of ranks (>= 1).
-
-    Returns
-    -------
-    tuple of int
-        Items per rank.
-
-    Examples
-    --------
-    >>> balanced_sizes(5, 3)
-    (2, 2, 1)
-    """
-    q, r = divmod(int(n), int(parts))
-    return (q + 1,) * r + (q,) * (parts - r)
-
-
-def block_slice(n: int, parts: int, index: int) -> slice:
-    """Block ``index`` of ``n`` items split over ``parts`` like ``numpy.array_split``.
-
-    The slice that :func:`balanced_sizes` assigns to rank ``index``.
-
-    Examples
-    --------
-    >>> block_slice(5, 3, 2)
-    slice(4, 5, None)
-    """
-    q, r = divmod(int(n), int(parts))
-    start = index * q + min(index, r)
-    return slice(start, start + q + (index < r))
 
 
 def _offsets(sizes: Sequence[int]) -> tuple[int, ...]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
+from ..partition import Placement
+
 __all__ = ["Parameter", "Module", "Sequential"]
 
 
@@ -29,6 +31,11 @@ class Parameter:
         How many strided chunks of the partition axis each rank holds (fused weights).
     group : Group, optional
         The pympar group whose ranks together hold the full logical parameter.
+    placement : Placement, optional
+        Where ``data`` sits in the full (serial-layout) parameter; default: replicated, the
+        full shape being ``data.shape``.
+    requires_grad : bool, default True
+        False freezes the parameter: no gradient is computed or accumulated for it.
 
     Attributes
     ----------
@@ -47,6 +54,8 @@ class Parameter:
         partition_dim: int | None = None,
         partition_stride: int = 1,
         group: Any = None,
+        placement: Placement | None = None,
+        requires_grad: bool = True,
     ) -> None:
         if partition_stride < 1:
             raise ValueError(f"Parameter: partition_stride must be >= 1, got {partition_stride}")
@@ -60,6 +69,12 @@ class Parameter:
         self.partition_dim = partition_dim
         self.partition_stride = int(partition_stride)
         self.group = group
+        self.placement = Placement(tuple(data.shape)) if placement is None else placement
+        if self.placement.local_shape != tuple(data.shape):
+            raise ValueError(f"Parameter {name or ''}: placement {self.placement} describes a "
+                             f"shard of shape {self.placement.local_shape}, data has "
+                             f"{tuple(data.shape)}")
+        self.requires_grad = bool(requires_grad)
 
     @property
     def shape(self) -> tuple[int, ...]:
