@@ -1,0 +1,196 @@
+"""Mixed precision: a loss scaler with torch's semantics, and float32 master weights.
+
+Parameters and compute may be float16 or bfloat16 (``pympar.backend.bfloat16``); the update
+then runs on float32 master weights, with the gradients reduced and unscaled in float32.
+:func:`master_weights_optimizer` gives an unsharded optimizer with masters;
+:class:`pympar.zero.ZeroRedundancyOptimizer` keeps masters for its share only.
+
+A :class:`GradScaler` multiplies the loss gradient by a scale so that small float16 gradients
+do not flush to zero, then unscales them before the update. Overflow (inf/NaN anywhere, on any
+rank) skips the step on every rank and halves the scale; after ``growth_interval`` clean steps
+the scale doubles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import array_module
+from .group import Group
+from .modules.core import Module, Parameter
+from .optim import AdamW
+from .zero import ZeroRedundancyOptimizer
+
+__all__ = ["GradScaler", "master_weights_optimizer", "self_group"]
+
+
+def self_group() -> Group:
+    """A size-1 group holding only this rank (no collective call is needed to make it)."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    return Group(MPI.COMM_SELF, f"self-{rank}", [rank], owns_comm=False)
+
+
+def master_weights_optimizer(params: Module | Iterable[Parameter], optimizer_class: type = AdamW,
+                             **kw: Any) -> ZeroRedundancyOptimizer:
+    """An unsharded optimizer that keeps float32 masters for half-precision parameters.
+
+    Use it where a plain optimizer would go (after ``allreduce_gradients``, which reduces
+    float16/bfloat16 in float32): ``step`` casts the gradients to float32, updates the masters
+    with ``optimizer_class(**kw)`` and rounds them into the parameters. Float32/float64
+    parameters are updated in place as by ``optimizer_class`` itself.
+
+    Parameters
+    ----------
+    params : Module or iterable of Parameter
+    optimizer_class : type, default :class:`pympar.optim.AdamW`
+    **kw
+        Passed to ``optimizer_class``.
+
+    Returns
+    -------
+    ZeroRedundancyOptimizer
+        Over this rank alone (:func:`self_group`): the whole parameter is its share.
+    """
+    return ZeroRedundancyOptimizer(params, optimizer_class, group=self_group(), **kw)
+
+
+def _world_comm() -> MPI.Intracomm:
+    from . import manager
+
+    return manager.get_parallel_state().mesh.comm if manager.is_initialized() else MPI.COMM_WORLD
+
+
+class GradScaler:
+    """Dynamic loss scaling (torch ``GradScaler`` semantics), agreed across all ranks.
+
+    Typical step::
+
+        model.backward(scaler.scale(loss_grad))
+        allreduce_gradients(model, dp)      # not with ZeroRedundancyOptimizer
+        scaler.step(optimizer)              # skipped everywhere on inf/NaN
+        scaler.update()
+
+    Parameters
+    ----------
+    init_scale : float, default 2**16
+    growth_factor : float, default 2.0
+        Applied after ``growth_interval`` consecutive steps without inf/NaN.
+    backoff_factor : float, default 0.5
+        Applied after a step with inf/NaN (that step is skipped).
+    growth_interval : int, default 2000
+    enabled : bool, default True
+        False: ``scale`` is the identity, ``step`` just steps, ``update`` does nothing.
+    comm : mpi4py.MPI.Intracomm, optional
+        Where the found-inf flag is agreed (one ``Allreduce(MAX)`` per step); default the
+        parallel state's world (every TP, CP and DP rank) or ``MPI.COMM_WORLD``.
+
+    Attributes
+    ----------
+    found_inf : bool or None
+        Whether the last :meth:`step` found inf/NaN (and skipped); ``None`` before a step.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
+                 comm: MPI.Intracomm | None = None) -> None:
+        if not init_scale > 0 or not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
+            raise ValueError("GradScaler: need init_scale > 0, growth_factor > 1 and "
+                             f"0 < backoff_factor < 1, got {init_scale}, {growth_factor}, "
+                             f"{backoff_factor}")
+        if growth_interval < 1:
+            raise ValueError(f"GradScaler: growth_interval must be >= 1, got {growth_interval}")
+        self.enabled = bool(enabled)
+        self._scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self._growth_tracker = 0
+        self.found_inf: bool | None = None
+        self._comm = _world_comm() if comm is None else comm
+        self._flag = np.zeros(1, dtype=np.int32)
+
+    def get_scale(self) -> float:
+        """float: The current scale (1.0 when disabled)."""
+        return self._scale if self.enabled else 1.0
+
+    def scale(self, x: Any) -> Any:
+        """Return ``x * scale`` in ``x``'s dtype (the loss gradient to back-propagate)."""
+        return x * x.dtype.type(self._scale) if self.enabled else x
+
+    def step(self, optimizer: Any) -> bool:
+        """Unscale and step ``optimizer`` unless any rank's gradients hold inf/NaN.
+
+        Gradients of ``optimizer.params`` are checked locally (before any sharded reduction)
+        and the verdict agreed over ``comm``. Optimizers with ``takes_grad_scale`` (ZeRO and
+        :func:`master_weights_optimizer`) unscale in float32 inside their step; others get
+        their gradients multiplied by ``1 / scale`` in place first.
+
+        Returns
+        -------
+        bool
+            True when the step ran, False when it was skipped (on every rank alike).
+        """
+        if not self.enabled:
+            optimizer.step()
+            return True
+        self._flag[0] = _has_nonfinite(optimizer.params)
+        self._comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+        self.found_inf = bool(self._flag[0])
+        if self.found_inf:
+            return False
+        inv = 1.0 / self._scale
+        if getattr(optimizer, "takes_grad_scale", False):
+            optimizer.step(grad_scale=inv)
+        else:
+            for p in optimizer.params:
+                if p.grad is not None:
+                    p.grad *= inv
+            optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Adjust the scale after :meth:`step`: x``backoff_factor`` on inf/NaN, else count.
+
+        Raises
+        ------
+        RuntimeError
+            When no :meth:`step` ran since the last update.
+        """
+        if not self.enabled:
+            return
+        if self.found_inf is None:
+            raise RuntimeError("GradScaler.update: call step(optimizer) first")
+        if self.found_inf:
+            self._scale *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._scale *= self.growth_factor
+                self._growth_tracker = 0
+        self.found_inf = None
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The scale and growth counter (plain numbers)."""
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore :meth:`state_dict`."""
+        self._scale = float(state["scale"])
+        self._growth_tracker = int(state["growth_tracker"])
+
+
+def _has_nonfinite(params: list[Parameter]) -> bool:
+    # One float64 sum per gradient: inf and NaN propagate through it, and a float64
+    # accumulator cannot overflow on finite half/single-precision values.
+    total = None
+    for p in params:
+        if p.grad is not None:
+            s = p.grad.sum(dtype=np.float64)
+            total = s if total is None else total + s
+    if total is None:
+        return False
+    return not bool(array_module(total).isfinite(total))

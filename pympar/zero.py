@@ -1,0 +1,367 @@
+"""Sharded optimizer state (ZeRO stage 1): ``ZeroRedundancyOptimizer``.
+
+Each rank of a data-parallel group of size ``d`` owns a *share* of every parameter: block
+``rank`` of its first axis split with the balanced rule of :mod:`pympar.partition`. The wrapped
+optimizer (e.g. :class:`pympar.optim.AdamW`) runs on the shares only, so its state costs
+``1/d`` of the unsharded one. A step reduce-scatters the gradients (instead of all-reducing
+them), updates the share, and all-gathers the parameters.
+
+Half-precision parameters (float16, bfloat16) get float32 master weights for their share;
+their gradients are reduced in float32 and the update is done on the masters, then rounded
+once into the parameters.
+
+Communication is bucketed: per bucket, a ``(d, width)`` buffer whose row ``k`` holds rank
+``k``'s share of every member parameter, so that a single ``reduce_scatter`` / ``all_gather``
+along axis 0 (even blocks) moves a whole bucket. ``width`` is rank 0's total, the largest under
+the balanced rule; the shorter rows are zero-padded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .backend import accumulation_dtype, array_module
+from .modules.core import Module, Parameter, as_parameter_list
+from .optim import AdamW, Optimizer
+from .partition import Placement, Split, block_slice
+
+__all__ = ["ZeroRedundancyOptimizer", "default_group", "per_param_state"]
+
+
+def default_group() -> Any:
+    """The group ZeRO shards over: data x context when context parallelism is on, else data.
+
+    Raises
+    ------
+    RuntimeError
+        Before :func:`pympar.manager.initialize_parallel`.
+    """
+    from . import manager
+
+    if manager.get_context_parallel_world_size() > 1:
+        return manager.get_data_context_parallel_group()
+    return manager.get_data_parallel_group()
+
+
+def per_param_state(optimizer: Optimizer) -> dict[str, list]:
+    """The per-parameter state lists of an optimizer of :mod:`pympar.optim`.
+
+    Every attribute that is a list with one entry per parameter (``exp_avg``, ``exp_avg_sq``,
+    ``momentum_buffers``, ``steps``, ...) is state; entries are arrays shaped like the
+    parameter, ``None`` or Python scalars.
+    """
+    n = len(optimizer.params)
+    return {name: value for name, value in vars(optimizer).items()
+            if name != "params" and isinstance(value, list) and len(value) == n}
+
+
+class _Bucket:
+    """Members of one communication bucket and, per rank, where their shares sit in a row."""
+
+    def __init__(self, members: list[int], rows: list[list[tuple[int, int, int]]],
+                 width: int, xp: Any, dtype: Any, reduce_dtype: Any) -> None:
+        self.members = members    # parameter indices
+        self.rows = rows          # rows[k] = [(param index, flat start in param, size), ...]
+        self.width = width        # elements per row (rank 0's total)
+        self.xp, self.dtype, self.reduce_dtype = xp, dtype, reduce_dtype
+
+
+class ZeroRedundancyOptimizer:
+    """Shard an optimizer's state over a data-parallel group (ZeRO-1, torch's name and order).
+
+    Use it in place of ``allreduce_gradients`` + optimizer: after backward, :meth:`step`
+    reduce-scatters (and averages) the gradients, updates this rank's share of every
+    parameter with ``optimizer_class`` and all-gathers the parameters.
+
+    Parameters
+    ----------
+    params : Module or iterable of Parameter
+        The local parameters (tensor-parallel shards included); every rank of ``group`` passes
+        the same shapes in the same order. Frozen ones (``requires_grad=False``) are skipped.
+    optimizer_class : type, default :class:`pympar.optim.AdamW`
+        An optimizer of :mod:`pympar.optim`; it is built on the share-parameters with ``**kw``.
+    group : Group, optional
+        The group to shard over; default :func:`default_group`.
+    bucket_bytes : int, default 25 MiB
+        Upper bound on a bucket's ``(d, width)`` buffer (one parameter larger than that gets a
+        bucket of its own).
+    **kw
+        Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ...).
+
+    Attributes
+    ----------
+    params : list of Parameter
+        The model parameters stepped (frozen ones left out).
+    shares : list of Parameter
+        This rank's share of each parameter, with ``placement`` =
+        ``param.placement.then(Split(0, d, rank))``. Its ``data`` is a view of the parameter's
+        rows, or the float32 master for a half-precision parameter.
+    optimizer : Optimizer
+        The wrapped optimizer, built on ``shares``; its state is share-sized.
+    group : Group
+    takes_grad_scale : bool
+        True: :meth:`step` accepts ``grad_scale`` (used by :class:`pympar.amp.GradScaler`
+        to unscale in float32).
+
+    Raises
+    ------
+    ValueError
+        For a 0-d parameter (it has no first axis to share) or ``bucket_bytes < 1``.
+    """
+
+    takes_grad_scale = True
+
+    def __init__(self, params: Module | Iterable[Parameter], optimizer_class: type = AdamW,
+                 group: Any = None, *, bucket_bytes: int = 25 * 2**20, **kw: Any) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"ZeroRedundancyOptimizer: bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.group = default_group() if group is None else group
+        self.params = [p for p in as_parameter_list(params) if p.requires_grad]
+        for p in self.params:
+            if p.data.ndim == 0:
+                raise ValueError(f"ZeroRedundancyOptimizer: parameter {p.name or ''} is 0-d; "
+                                 "it has no first axis to share (make it shape (1,))")
+        d = self.group.size
+        # Flat element ranges [start, stop) of every rank's share of every parameter.
+        self._ranges = []
+        for p in self.params:
+            row = p.size // p.shape[0] if p.shape[0] else 0
+            self._ranges.append([(s.start * row, s.stop * row)
+                                 for s in (block_slice(p.shape[0], d, k) for k in range(d))])
+        self.masters = [accumulation_dtype(p.dtype) != p.dtype for p in self.params]
+        self.shares = [self._make_share(i, p) for i, p in enumerate(self.params)]
+        self._buckets = self._plan(int(bucket_bytes))
+        # Float32 gradient shares of half-precision parameters: the reduce-scatter writes them
+        # here directly (one flat array per bucket), the share-parameters' grads are views.
+        self._grad_flats: dict[int, Any] = {
+            b: bucket.xp.zeros(bucket.width, dtype=bucket.reduce_dtype)
+            for b, bucket in enumerate(self._buckets) if self.masters[bucket.members[0]]}
+        self._bind_master_grads()
+        self._scratch: dict[tuple, Any] = {}
+        self.optimizer = optimizer_class(self.shares, **kw)
+
+    # -- construction ------------------------------------------------------------------
+    def _make_share(self, i: int, p: Parameter) -> Parameter:
+        d, me = self.group.size, self.group.rank
+        rows = block_slice(p.shape[0], d, me)
+        placement = p.placement.then(Split(0, d, me))
+        if self.masters[i]:
+            data = p.data[rows].astype(accumulation_dtype(p.dtype))
+        else:
+            data = p.data[rows]
+        return Parameter(data, name=p.name, placement=placement)
+
+    def _plan(self, bucket_bytes: int) -> list[_Bucket]:
+        d = self.group.size
+        by_key: dict[tuple, list[int]] = {}
+        for i, p in enumerate(self.params):
+            by_key.setdefault((array_module(p.data), p.dtype), []).append(i)
+        buckets = []
+        for (xp, dtype), indices in by_key.items():
+            reduce_dtype = accumulation_dtype(dtype)
+            members: list[int] = []
+            for i in indices:
+                width = sum(self.params[j].size for j in members) + self.params[i].size
+                if members and d * width * reduce_dtype.itemsize > bucket_bytes:
+                    buckets.append(self._bucket(members, xp, dtype, reduce_dtype))
+                    members = []
+                members.append(i)
+            if members:
+                buckets.append(self._bucket(members, xp, dtype, reduce_dtype))
+        return buckets
+
+    def _bucket(self, members: list[int], xp: Any, dtype: Any, reduce_dtype: Any) -> _Bucket:
+        rows = []
+        for k in range(self.group.size):
+            layout, offset = [], 0
+            for i in members:
+                start, stop = self._ranges[i][k]
+                layout.append((i, offset, stop - start))
+                offset += stop - start
+            rows.append(layout)
+        width = sum(size for _, _, size in rows[0])
+        return _Bucket(members, rows, width, xp, dtype, reduce_dtype)
+
+    def _bind_master_grads(self) -> None:
+        me = self.group.rank
+        for b, flat in self._grad_flats.items():
+            for i, offset, size in self._buckets[b].rows[me]:
+                self.shares[i].grad = flat[offset: offset + size].reshape(self.shares[i].shape)
+
+    def _buffer(self, role: str, xp: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+        # One flat scratch array per (role, module, dtype), grown to the largest bucket.
+        n = 1
+        for s in shape:
+            n *= s
+        key = (role, xp, dtype)
+        flat = self._scratch.get(key)
+        if flat is None or flat.size < n:
+            largest = max(self.group.size * b.width if role == "wide" else b.width
+                          for b in self._buckets if b.xp is xp)
+            flat = self._scratch[key] = xp.empty(max(n, largest), dtype=dtype)
+        return flat[:n].reshape(shape)
+
+    # -- optimizer interface -----------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """float: The wrapped optimizer's learning rate (settable, for schedules)."""
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.lr = float(value)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the model parameters' gradients; see :meth:`pympar.modules.Parameter.zero_grad`."""
+        for p in self.params:
+            p.zero_grad(set_to_none)
+
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Reduce-scatter and average the gradients, update this rank's shares, all-gather.
+
+        Parameters
+        ----------
+        grad_scale : float, default 1.0
+            Factor applied to the averaged gradients (in float32 for half-precision
+            parameters) before the update, e.g. ``1 / loss_scale``.
+        """
+        for b, bucket in enumerate(self._buckets):
+            self._reduce_scatter(b, bucket, float(grad_scale))
+        self.optimizer.step()
+        for bucket in self._buckets:
+            self._all_gather(bucket)
+
+    def _reduce_scatter(self, b: int, bucket: _Bucket, grad_scale: float) -> None:
+        d, me = self.group.size, self.group.rank
+        send = self._buffer("wide", bucket.xp, bucket.reduce_dtype, (d, bucket.width))
+        for k in range(d):
+            row = send[k]
+            end = 0
+            for i, offset, size in bucket.rows[k]:
+                g = self.params[i].grad
+                if g is None:
+                    row[offset: offset + size] = 0
+                else:
+                    start = self._ranges[i][k][0]
+                    row[offset: offset + size] = g.reshape(-1)[start: start + size]
+                end = offset + size
+            row[end:] = 0
+        if b in self._grad_flats:
+            out = self._grad_flats[b].reshape(1, bucket.width)
+            self._reduce(send, out, grad_scale)
+            return
+        out = self._buffer("narrow", bucket.xp, bucket.reduce_dtype, (1, bucket.width))
+        self._reduce(send, out, grad_scale)
+        flat = out[0]
+        for i, offset, size in bucket.rows[me]:
+            p, share = self.params[i], self.shares[i]
+            if p.grad is None:
+                p.grad = bucket.xp.zeros_like(p.data)
+            # Rebinding each step follows a gradient that zero_grad(set_to_none=True) replaced.
+            rows = block_slice(p.shape[0], d, me)
+            share.grad = p.grad[rows]
+            share.data = p.data[rows]
+            share.grad.reshape(-1)[...] = flat[offset: offset + size]
+
+    def _reduce(self, send: Any, out: Any, grad_scale: float) -> None:
+        self.group.reduce_scatter(send, axis=0, out=out)
+        if grad_scale != 1.0:
+            out *= grad_scale
+        # Divide (not multiply by 1/d) to round as allreduce_gradients(average=True) does.
+        if self.group.size > 1:
+            out /= self.group.size
+
+    def _all_gather(self, bucket: _Bucket) -> None:
+        d, me = self.group.size, self.group.rank
+        send = self._buffer("narrow", bucket.xp, bucket.dtype, (1, bucket.width))
+        row = send[0]
+        for i, offset, size in bucket.rows[me]:
+            row[offset: offset + size] = self.shares[i].data.reshape(-1)
+        row[sum(size for _, _, size in bucket.rows[me]):] = 0
+        recv = self._buffer("wide", bucket.xp, bucket.dtype, (d, bucket.width))
+        self.group.all_gather(send, axis=0, out=recv)
+        own_rows_updated = not self.masters[bucket.members[0]]
+        for k in range(d):
+            if k == me and own_rows_updated:
+                continue
+            for i, offset, size in bucket.rows[k]:
+                start = self._ranges[i][k][0]
+                self.params[i].data.reshape(-1)[start: start + size] = recv[k, offset: offset + size]
+
+    # -- state ---------------------------------------------------------------------------
+    def state_placements(self) -> list[Placement]:
+        """Per parameter, the placement of this rank's share (of every state array of it).
+
+        ``self.optimizer``'s state arrays for parameter ``i`` (e.g. ``exp_avg[i]``) and the
+        master ``shares[i].data`` are this block of the full serial array.
+        """
+        return [s.placement for s in self.shares]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state for the full local parameters (collective over ``group``).
+
+        Returns
+        -------
+        dict
+            ``{"state": {name: [per parameter]}, "lr": float}``: every per-parameter state
+            list of the wrapped optimizer (``exp_avg``, ``exp_avg_sq``, ``steps``, ...) with
+            arrays all-gathered to the local parameter's shape, as an unsharded optimizer on
+            the same parameters holds them; ``"master"`` holds float32 masters (or ``None``).
+        """
+        state = {}
+        for name, values in per_param_state(self.optimizer).items():
+            state[name] = [self._gather_share(i, v) for i, v in enumerate(values)]
+        state["master"] = [self._gather_share(i, s.data) if m else None
+                           for i, (s, m) in enumerate(zip(self.shares, self.masters))]
+        return {"state": state, "lr": self.optimizer.lr}
+
+    def _gather_share(self, i: int, value: Any) -> Any:
+        if not hasattr(value, "shape") or tuple(value.shape) != self.shares[i].shape:
+            return value
+        sizes = tuple(block_slice(self.params[i].shape[0], self.group.size, k).stop
+                      - block_slice(self.params[i].shape[0], self.group.size, k).start
+                      for k in range(self.group.size))
+        return self.group.all_gather(array_module(value).ascontiguousarray(value), axis=0,
+                                     sizes=sizes)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (any group size): keep this rank's share of each array.
+
+        Raises
+        ------
+        ValueError
+            When a state list or array does not match the parameters; nothing is modified.
+        """
+        own = per_param_state(self.optimizer)
+        state = state_dict["state"]
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: missing state {missing}")
+        for name in own:
+            if len(state[name]) != len(self.params):
+                raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: {name!r} has "
+                                 f"{len(state[name])} entries for {len(self.params)} parameters")
+            for p, v in zip(self.params, state[name]):
+                if hasattr(v, "shape") and tuple(v.shape) != p.shape:
+                    raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: {name!r} of "
+                                     f"{p.name} has shape {tuple(v.shape)}, expected {p.shape}")
+        rows = [block_slice(p.shape[0], self.group.size, self.group.rank) for p in self.params]
+        for name, values in own.items():
+            for i, v in enumerate(state[name]):
+                if hasattr(v, "shape") and hasattr(values[i], "shape"):
+                    values[i][...] = _to_module(v[rows[i]], values[i])
+                else:
+                    values[i] = v
+        masters = state.get("master") or [None] * len(self.params)
+        for i, (share, m) in enumerate(zip(self.shares, self.masters)):
+            if m:
+                src = masters[i] if masters[i] is not None else self.params[i].data
+                share.data[...] = _to_module(src[rows[i]], share.data)
+        self.optimizer.lr = float(state_dict.get("lr", self.optimizer.lr))
+
+
+def _to_module(src: Any, like: Any) -> Any:
+    # A CuPy source must come to the host before landing in a NumPy destination, and back.
+    if hasattr(src, "get") and not hasattr(like, "get"):
+        return src.get()
+    return array_module(like).asarray(src)

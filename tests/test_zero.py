@@ -1,0 +1,192 @@
+"""ZeroRedundancyOptimizer: follows the unsharded optimizer, holds 1/d of its state, reloads."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from layer_helpers import block, rng_array, self_group
+from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
+from pympar import backend, manager
+from pympar.group import Group
+from pympar.memory import optimizer_bytes, workspace_bytes
+from pympar.modules import GELU, ColumnParallelLinear, Parameter, RowParallelLinear
+from pympar.optim import AdamW, allreduce_gradients
+from pympar.partition import Split
+from pympar.zero import ZeroRedundancyOptimizer
+
+# HIDDEN / TP and FEATURES split unevenly over DP; FEATURES < 8 leaves some ranks an empty share.
+FEATURES, HIDDEN, BATCH, STEPS = 5, 42, 16, 50
+
+
+def data(step):
+    x = rng_array(100 + step, (BATCH, FEATURES), np.float64)
+    return x, np.tanh(x[:, ::-1] * 2.0)
+
+
+class MLP:
+    """Column -> GELU -> Row with hand-driven backward (as tests/test_training.py)."""
+
+    def __init__(self, dtype=np.float64):
+        self.fc1 = ColumnParallelLinear(FEATURES, HIDDEN, gather_output=False, dtype=dtype, seed=1)
+        self.act = GELU()
+        self.fc2 = RowParallelLinear(HIDDEN, FEATURES, input_is_parallel=True, dtype=dtype, seed=2)
+        self.params = [*self.fc1.parameters(), *self.fc2.parameters()]
+
+    def step(self, x, target, count):
+        """Forward and backward of the summed squared error / count; returns the local sum."""
+        err = self.fc2(self.act(self.fc1(x))) - target
+        self.fc1.backward(self.act.backward(self.fc2.backward(err * (2.0 / count))))
+        return float((err * err).sum())
+
+
+def layout(tp):
+    if WORLD.size % tp:
+        pytest.skip(f"TP={tp} needs a multiple of {tp} ranks")
+    manager.initialize_parallel(tensor_parallel_size=tp)
+    return manager.get_data_parallel_group()
+
+
+def train(sharded, dp, steps=STEPS, model=None, opt=None):
+    model = model or MLP()
+    if opt is None:
+        opt = (ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-2, bucket_bytes=1024) if sharded
+               else AdamW(model.params, lr=1e-2))
+    rows = block(BATCH, dp.size, dp.rank)
+    losses = []
+    for step in range(steps):
+        x, target = data(step)
+        opt.zero_grad()
+        local = model.step(x[rows], target[rows], BATCH * FEATURES)
+        losses.append(float(dp.all_reduce(np.array([local]))[0]))
+        if not sharded:
+            allreduce_gradients(model.params, dp)
+        opt.step()
+    return model, opt, np.array(losses)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp", "tp2xdp"])
+def test_zero_follows_unsharded_adamw(tp):
+    dp = layout(tp)
+    try:
+        plain, _, expected = train(False, dp)
+        zero_model, opt, losses = train(True, dp)
+        # Small buckets: the MLP's four parameters travel in more than one bucket.
+        agree(len(opt._buckets) > 1, f"one bucket only: {len(opt._buckets)}")
+    finally:
+        manager.destroy_parallel()
+    agree(expected[-1] < 0.5 * expected[0], f"loss did not fall: {expected[[0, -1]]}")
+    assert_close(losses, expected, rtol=1e-12, atol=0, what="loss curve")
+    for p, q in zip(zero_model.params, plain.params):
+        assert_close(p.data, q.data, rtol=1e-12, atol=1e-14, what=f"{p.name} after {STEPS} steps")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp", "tp2xdp"])
+def test_zero_state_bytes_follow_formula(tp):
+    dp = layout(tp)
+    try:
+        model = MLP(np.float32)
+        opt = ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-3, bucket_bytes=2048)
+        d, r = dp.size, dp.rank
+        exact = sum(8 * (block(p.shape[0], d, r).stop - block(p.shape[0], d, r).start)
+                    * (p.size // p.shape[0]) for p in model.params)
+        formula = 8 * sum(p.size for p in model.params) / d
+        # Balanced splits leave rank shares at most one row apart: that is the fixed overhead.
+        overhead = 8 * sum(p.size // p.shape[0] for p in model.params)
+        got = optimizer_bytes(opt)
+        agree(got == exact, f"optimizer bytes {got} != 8 x share = {exact}")
+        agree(abs(got - formula) <= overhead,
+              f"optimizer bytes {got} vs 8/d formula {formula:.1f}: off by more than {overhead}")
+        unsharded = optimizer_bytes(AdamW(model.params))
+        agree(unsharded == 8 * sum(p.size for p in model.params), f"AdamW holds {unsharded}")
+        # Workspace: the bucket buffers (bounded by bucket_bytes) and one share of scratch.
+        agree(workspace_bytes(opt) <= 4 * 2048 + 4 * max(p.size for p in model.params),
+              f"workspace {workspace_bytes(opt)}")
+    finally:
+        manager.destroy_parallel()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_zero_mixed_precision_update_matches_fp32_masters():
+    """bfloat16 parameters: the update runs on float32 masters with grads reduced in float32."""
+    if backend.bfloat16 is None:
+        pytest.skip("ml_dtypes (bfloat16) is not installed")
+    bf16, d, r = backend.bfloat16, WORLD.size, WORLD.rank
+    shapes = [(7, 3), (5,), (2, 2, 3)]
+    init = [rng_array(i, s, np.float32) for i, s in enumerate(shapes)]
+    params = [Parameter(a.astype(bf16)) for a in init]
+    world = Group(MPI.COMM_WORLD, "world", range(d), owns_comm=False)
+    opt = ZeroRedundancyOptimizer(params, AdamW, group=world, lr=1e-2)
+    masters = [Parameter(a.astype(bf16).astype(np.float32)) for a in init]
+    ref = AdamW(masters, lr=1e-2)
+    for step in range(3):
+        for i, (p, m) in enumerate(zip(params, masters)):
+            grads = [rng_array(1000 * step + 10 * i + k, p.shape, np.float32).astype(bf16)
+                     for k in range(d)]
+            p.grad = grads[r].copy()
+            m.grad = sum(g.astype(np.float32) for g in grads) / np.float32(d)
+        opt.step(grad_scale=1.0)
+        ref.step()
+    for i, (p, m, share) in enumerate(zip(params, masters, opt.shares)):
+        rows = block(p.shape[0], d, r)
+        assert_close(share.data, m.data[rows], rtol=1e-6, atol=1e-7, what=f"master {i}")
+        agree(share.data.dtype == np.float32, f"master dtype {share.data.dtype}")
+        agree(share.placement == p.placement.then(Split(0, d, r)), "share placement")
+        # Parameters are the masters rounded once; float32 sums in another order may round
+        # to the neighbouring bfloat16, never further.
+        diff = np.abs(to_numpy(p.data).astype(np.float32) - m.data.astype(bf16).astype(np.float32))
+        agree(np.all(diff <= 2.0**-7 * np.abs(m.data) + 1e-30), f"param {i} off by {diff.max()}")
+    assert_equal(optimizer_bytes(opt), sum(12 * (block(p.shape[0], d, r).stop
+                                                  - block(p.shape[0], d, r).start)
+                                           * (p.size // p.shape[0]) for p in params),
+                 what="Adam moments + masters: 12 bytes per share element")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp", "tp2xdp"])
+def test_zero_state_dict_is_the_unsharded_state_and_reloads(tp):
+    dp = layout(tp)
+    try:
+        plain, plain_opt, _ = train(False, dp, steps=4)
+        model, opt, _ = train(True, dp, steps=4)
+        state = opt.state_dict()
+        for name in ("exp_avg", "exp_avg_sq"):
+            for i, a in enumerate(state["state"][name]):
+                assert_close(a, getattr(plain_opt, name)[i], rtol=1e-12, atol=1e-15,
+                             what=f"{name}[{i}]")
+        agree(state["state"]["steps"] == plain_opt.steps, f"steps {state['state']['steps']}")
+        # A fresh optimizer with other buckets loads it and continues exactly like the original.
+        saved = [p.data.copy() for p in model.params]
+        _, _, continued = train(True, dp, steps=3, model=model, opt=opt)
+        after = [p.data.copy() for p in model.params]
+        for p, s in zip(model.params, saved):
+            p.data[...] = s
+        fresh = ZeroRedundancyOptimizer(model.params, AdamW, lr=5.0, bucket_bytes=10**6)
+        fresh.load_state_dict(state)
+        agree(fresh.lr == 1e-2, f"lr {fresh.lr}")
+        _, _, reloaded = train(True, dp, steps=3, model=model, opt=fresh)
+        assert_close(reloaded, continued, rtol=0, atol=0, what="losses after reload")
+        for p, a in zip(model.params, after):
+            assert_close(p.data, a, rtol=0, atol=0, what=f"{p.name} after reload")
+        bad = dict(state, state={k: v[:1] for k, v in state["state"].items()})
+        raises_everywhere(ValueError, "entries for 4 parameters", fresh.load_state_dict, bad)
+    finally:
+        manager.destroy_parallel()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_zero_skips_frozen_and_rejects_bad_input():
+    group = self_group()
+    frozen = Parameter(np.ones((3, 2)), requires_grad=False)
+    live = Parameter(np.ones((4,)))
+    opt = ZeroRedundancyOptimizer([frozen, live], AdamW, group=group, lr=0.1)
+    live.grad, frozen.grad = np.ones(4), np.ones((3, 2))
+    opt.step()
+    agree(opt.params == [live] and np.all(frozen.data == 1) and np.all(live.data < 1),
+          "frozen parameter stepped or live one not")
+    raises_everywhere(ValueError, "0-d", ZeroRedundancyOptimizer, [Parameter(np.ones(()))],
+                      group=group)
+    raises_everywhere(ValueError, "bucket_bytes", ZeroRedundancyOptimizer, [live], group=group,
+                      bucket_bytes=0)
+    raises_everywhere(RuntimeError, "initialize_parallel", ZeroRedundancyOptimizer, [live])
