@@ -187,10 +187,11 @@ def _has_nonfinite(params: list[Parameter]) -> bool:
     # One float64 sum per gradient: inf and NaN propagate through it, and a float64
     # accumulator cannot overflow on finite half/single-precision values.
     total = None
-    for p in params:
-        if p.grad is not None:
-            s = p.grad.sum(dtype=np.float64)
-            total = s if total is None else total + s
+    with np.errstate(over="ignore", invalid="ignore"):  # inf - inf = NaN is the answer sought
+        for p in params:
+            if p.grad is not None:
+                s = p.grad.sum(dtype=np.float64)
+                total = s if total is None else total + s
     if total is None:
         return False
     return not bool(array_module(total).isfinite(total))
