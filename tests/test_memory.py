@@ -1,16 +1,24 @@
 """Memory accounting: bytes per rank of parameters, gradients, optimizer state, activations."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from layer_helpers import block, rng_array
 from mpi_helpers import WORLD, agree, raises_everywhere
 from pympar import backend, manager
+from pympar.group import Group
 from pympar.memory import (activation_bytes, gradient_bytes, memory_report, optimizer_bytes,
                            parameter_bytes, workspace_bytes)
 from pympar.modules import GELU, ColumnParallelLinear, Parameter, RowParallelLinear, Sequential
 from pympar.optim import SGD, AdamW
 from pympar.zero import ZeroRedundancyOptimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import bench_memory  # noqa: E402
 
 FEATURES, HIDDEN, ROWS = 6, 26, 7
 
@@ -73,3 +81,20 @@ def test_shared_arrays_count_once_and_bad_optimizer():
     agree(optimizer_bytes(opt) == base.nbytes, f"SGD momentum {optimizer_bytes(opt)}")
     agree(optimizer_bytes(SGD([a], lr=0.1)) == 0, "SGD without momentum holds no state")
     raises_everywhere(TypeError, "pympar optimizer", optimizer_bytes, object())
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shape", [(16, 8), (13, 5)], ids=["even", "uneven"])
+def test_benchmark_formulas_hold(shape):
+    """bench_memory's formulas are exact on an even shape and within one row per parameter."""
+    world = Group(MPI.COMM_WORLD, "world", range(WORLD.size), owns_comm=False)
+    configs = ["AdamW", "ZeRO", "recompute"] + (["ZeRO + bf16"] if backend.bfloat16 else [])
+    for config in configs:
+        entry = bench_memory.measure(*shape, world, config)
+        # Ranks' shares differ by at most one row of each of the four parameters.
+        hidden = shape[0]
+        uneven = config.startswith("ZeRO") and hidden % WORLD.size
+        slack = 16 * (hidden + 1 + 4 * hidden + 1) if uneven else 0
+        for kind in bench_memory.KINDS:
+            got, want = entry["measured"][kind], entry["formula"][kind]
+            agree(abs(got - want) <= slack, f"{config} {kind}: {got} vs formula {want}")
