@@ -138,6 +138,7 @@ class ZeroRedundancyOptimizer:
             for b, bucket in enumerate(self._buckets) if self.masters[bucket.members[0]]}
         self._bind_master_grads()
         self._scratch: dict[tuple, Any] = {}
+        self._ones = (1,) * d
         self.optimizer = optimizer_class(self.shares, **kw)
 
     # -- construction ------------------------------------------------------------------
@@ -279,7 +280,8 @@ class ZeroRedundancyOptimizer:
             row[offset: offset + size] = self.shares[i].data.reshape(-1)
         row[sum(size for _, _, size in bucket.rows[me]):] = 0
         recv = self._buffer("wide", bucket.xp, bucket.dtype, (d, bucket.width))
-        self.group.all_gather(send, axis=0, out=recv)
+        # Known extents (one row per rank) spare the collective its size exchange.
+        self.group.all_gather(send, axis=0, out=recv, sizes=self._ones)
         own_rows_updated = not self.masters[bucket.members[0]]
         for k in range(d):
             if k == me and own_rows_updated:

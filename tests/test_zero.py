@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from layer_helpers import block, rng_array, self_group
+from layer_helpers import XPS, block, get_xp, rng_array, self_group
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import backend, manager
 from pympar.group import Group
@@ -18,18 +18,20 @@ from pympar.zero import ZeroRedundancyOptimizer
 FEATURES, HIDDEN, BATCH, STEPS = 5, 42, 16, 50
 
 
-def data(step):
-    x = rng_array(100 + step, (BATCH, FEATURES), np.float64)
-    return x, np.tanh(x[:, ::-1] * 2.0)
+def data(step, xp=np):
+    x = rng_array(100 + step, (BATCH, FEATURES), np.float64, xp)
+    return x, xp.tanh(x[:, ::-1] * 2.0)
 
 
 class MLP:
     """Column -> GELU -> Row with hand-driven backward (as tests/test_training.py)."""
 
-    def __init__(self, dtype=np.float64):
-        self.fc1 = ColumnParallelLinear(FEATURES, HIDDEN, gather_output=False, dtype=dtype, seed=1)
+    def __init__(self, dtype=np.float64, xp=np):
+        self.fc1 = ColumnParallelLinear(FEATURES, HIDDEN, gather_output=False, dtype=dtype, seed=1,
+                                        xp=xp)
         self.act = GELU()
-        self.fc2 = RowParallelLinear(HIDDEN, FEATURES, input_is_parallel=True, dtype=dtype, seed=2)
+        self.fc2 = RowParallelLinear(HIDDEN, FEATURES, input_is_parallel=True, dtype=dtype, seed=2,
+                                     xp=xp)
         self.params = [*self.fc1.parameters(), *self.fc2.parameters()]
 
     def step(self, x, target, count):
@@ -46,15 +48,15 @@ def layout(tp):
     return manager.get_data_parallel_group()
 
 
-def train(sharded, dp, steps=STEPS, model=None, opt=None):
-    model = model or MLP()
+def train(sharded, dp, steps=STEPS, model=None, opt=None, xp=np):
+    model = model or MLP(xp=xp)
     if opt is None:
         opt = (ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-2, bucket_bytes=1024) if sharded
                else AdamW(model.params, lr=1e-2))
     rows = block(BATCH, dp.size, dp.rank)
     losses = []
     for step in range(steps):
-        x, target = data(step)
+        x, target = data(step, xp)
         opt.zero_grad()
         local = model.step(x[rows], target[rows], BATCH * FEATURES)
         losses.append(float(dp.all_reduce(np.array([local]))[0]))
@@ -65,12 +67,14 @@ def train(sharded, dp, steps=STEPS, model=None, opt=None):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("xp_name", XPS)
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp", "tp2xdp"])
-def test_zero_follows_unsharded_adamw(tp):
+def test_zero_follows_unsharded_adamw(tp, xp_name):
+    xp = get_xp(xp_name)
     dp = layout(tp)
     try:
-        plain, _, expected = train(False, dp)
-        zero_model, opt, losses = train(True, dp)
+        plain, _, expected = train(False, dp, xp=xp)
+        zero_model, opt, losses = train(True, dp, xp=xp)
         # Small buckets: the MLP's four parameters travel in more than one bucket.
         agree(len(opt._buckets) > 1, f"one bucket only: {len(opt._buckets)}")
     finally:
