@@ -162,8 +162,8 @@ def format_row(row: dict[str, Any]) -> str:
     """The row as text: bytes per rank vs formula, then step times."""
     lines = [f"  H={row['hidden']} T={row['tokens']} DP={row['ranks']}"]
     for entry in row["memory"]:
-        cells = ", ".join(f"{k} {entry['measured'][k] / 2**20:.2f}/{entry['formula'][k] / 2**20:.2f}"
-                          for k in KINDS)
+        got, want = entry["measured"], entry["formula"]
+        cells = ", ".join(f"{k} {got[k] / 2**20:.2f}/{want[k] / 2**20:.2f}" for k in KINDS)
         lines.append(f"    {entry['config']:12} MiB measured/formula: {cells}")
     for name, value in row["step_ms"].items():
         lines.append(f"    {name:26} {value:9.2f} ms")
@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     comm = WORLD
-    torch, reason = (None, "--no-torch given") if args.no_torch else common.import_torch_distributed()
+    torch, reason = ((None, "--no-torch given") if args.no_torch
+                     else common.import_torch_distributed())
     if torch is None:
         common.say(comm, f"bench_memory: skipping the torch variants: {reason}")
     info = common.machine_info(comm)

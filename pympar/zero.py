@@ -114,7 +114,8 @@ class ZeroRedundancyOptimizer:
     def __init__(self, params: Module | Iterable[Parameter], optimizer_class: type = AdamW,
                  group: Any = None, *, bucket_bytes: int = 25 * 2**20, **kw: Any) -> None:
         if bucket_bytes < 1:
-            raise ValueError(f"ZeroRedundancyOptimizer: bucket_bytes must be >= 1, got {bucket_bytes}")
+            raise ValueError("ZeroRedundancyOptimizer: bucket_bytes must be >= 1, "
+                             f"got {bucket_bytes}")
         self.group = default_group() if group is None else group
         self.params = [p for p in as_parameter_list(params) if p.requires_grad]
         for p in self.params:
@@ -122,12 +123,8 @@ class ZeroRedundancyOptimizer:
                 raise ValueError(f"ZeroRedundancyOptimizer: parameter {p.name or ''} is 0-d; "
                                  "it has no first axis to share (make it shape (1,))")
         d = self.group.size
-        # Flat element ranges [start, stop) of every rank's share of every parameter.
-        self._ranges = []
-        for p in self.params:
-            row = p.size // p.shape[0] if p.shape[0] else 0
-            self._ranges.append([(s.start * row, s.stop * row)
-                                 for s in (block_slice(p.shape[0], d, k) for k in range(d))])
+        # Every rank's share of every parameter: its rows, as a slice of the first axis.
+        self._rows = [[block_slice(p.shape[0], d, k) for k in range(d)] for p in self.params]
         self.masters = [accumulation_dtype(p.dtype) != p.dtype for p in self.params]
         self.shares = [self._make_share(i, p) for i, p in enumerate(self.params)]
         self._buckets = self._plan(int(bucket_bytes))
@@ -176,9 +173,10 @@ class ZeroRedundancyOptimizer:
         for k in range(self.group.size):
             layout, offset = [], 0
             for i in members:
-                start, stop = self._ranges[i][k]
-                layout.append((i, offset, stop - start))
-                offset += stop - start
+                p, mine = self.params[i], self._rows[i][k]
+                size = (mine.stop - mine.start) * (p.size // max(p.shape[0], 1))
+                layout.append((i, offset, size))
+                offset += size
             rows.append(layout)
         width = sum(size for _, _, size in rows[0])
         return _Bucket(members, rows, width, xp, dtype, reduce_dtype)
@@ -243,8 +241,7 @@ class ZeroRedundancyOptimizer:
                 if g is None:
                     row[offset: offset + size] = 0
                 else:
-                    start = self._ranges[i][k][0]
-                    row[offset: offset + size] = g.reshape(-1)[start: start + size]
+                    row[offset: offset + size] = g[self._rows[i][k]].reshape(-1)
                 end = offset + size
             row[end:] = 0
         if b in self._grad_flats:
@@ -259,10 +256,10 @@ class ZeroRedundancyOptimizer:
             if p.grad is None:
                 p.grad = bucket.xp.zeros_like(p.data)
             # Rebinding each step follows a gradient that zero_grad(set_to_none=True) replaced.
-            rows = block_slice(p.shape[0], d, me)
+            rows = self._rows[i][me]
             share.grad = p.grad[rows]
             share.data = p.data[rows]
-            share.grad.reshape(-1)[...] = flat[offset: offset + size]
+            share.grad[...] = flat[offset: offset + size].reshape(share.grad.shape)
 
     def _reduce(self, send: Any, out: Any, grad_scale: float) -> None:
         self.group.reduce_scatter(send, axis=0, out=out)
@@ -287,8 +284,8 @@ class ZeroRedundancyOptimizer:
             if k == me and own_rows_updated:
                 continue
             for i, offset, size in bucket.rows[k]:
-                start = self._ranges[i][k][0]
-                self.params[i].data.reshape(-1)[start: start + size] = recv[k, offset: offset + size]
+                target = self.params[i].data[self._rows[i][k]]
+                target[...] = recv[k, offset: offset + size].reshape(target.shape)
 
     # -- state ---------------------------------------------------------------------------
     def state_placements(self) -> list[Placement]:
@@ -320,9 +317,7 @@ class ZeroRedundancyOptimizer:
     def _gather_share(self, i: int, value: Any) -> Any:
         if not hasattr(value, "shape") or tuple(value.shape) != self.shares[i].shape:
             return value
-        sizes = tuple(block_slice(self.params[i].shape[0], self.group.size, k).stop
-                      - block_slice(self.params[i].shape[0], self.group.size, k).start
-                      for k in range(self.group.size))
+        sizes = tuple(rows.stop - rows.start for rows in self._rows[i])
         return self.group.all_gather(array_module(value).ascontiguousarray(value), axis=0,
                                      sizes=sizes)
 
@@ -347,7 +342,7 @@ class ZeroRedundancyOptimizer:
                 if hasattr(v, "shape") and tuple(v.shape) != p.shape:
                     raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: {name!r} of "
                                      f"{p.name} has shape {tuple(v.shape)}, expected {p.shape}")
-        rows = [block_slice(p.shape[0], self.group.size, self.group.rank) for p in self.params]
+        rows = [r[self.group.rank] for r in self._rows]
         for name, values in own.items():
             for i, v in enumerate(state[name]):
                 if hasattr(v, "shape") and hasattr(values[i], "shape"):
