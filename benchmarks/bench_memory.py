@@ -142,6 +142,7 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
         steps[name] = lambda step=step: common.timed_parallel(comm, step)
     torch_bytes = {}
     if torch is not None:
+        torch.set_num_threads(1)  # one thread per rank, like NumPy's BLAS here
         for name, (step, nbytes) in torch_variants(torch, hidden, tokens).items():
             steps[name] = lambda step=step: common.timed_parallel(comm, step)
             torch_bytes[name] = comm.allreduce(nbytes, op=MPI.MAX)

@@ -107,6 +107,12 @@ class ZeroRedundancyOptimizer:
     ------
     ValueError
         For a 0-d parameter (it has no first axis to share) or ``bucket_bytes < 1``.
+
+    Notes
+    -----
+    Float32 masters are copied from the parameters at construction and by
+    :meth:`load_state_dict` (from its ``"master"`` entries, else from the parameters): load
+    model weights before building the optimizer, or reload its state afterwards.
     """
 
     takes_grad_scale = True

@@ -194,3 +194,21 @@ def test_zero_skips_frozen_and_rejects_bad_input():
     raises_everywhere(ValueError, "bucket_bytes", ZeroRedundancyOptimizer, [live], group=group,
                       bucket_bytes=0)
     raises_everywhere(RuntimeError, "initialize_parallel", ZeroRedundancyOptimizer, [live])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_default_group_is_data_x_context_when_context_parallel():
+    if WORLD.size % 2:
+        pytest.skip("CP=2 needs an even number of ranks")
+    manager.initialize_parallel(context_parallel_size=2)
+    try:
+        opt = ZeroRedundancyOptimizer([Parameter(np.ones(5))], AdamW)
+        agree(opt.group is manager.get_data_context_parallel_group(), f"group {opt.group}")
+    finally:
+        manager.destroy_parallel()
+    manager.initialize_parallel()
+    try:
+        opt = ZeroRedundancyOptimizer([Parameter(np.ones(5))], AdamW)
+        agree(opt.group is manager.get_data_parallel_group(), f"group {opt.group}")
+    finally:
+        manager.destroy_parallel()
