@@ -40,6 +40,8 @@ def test_injected_inf_on_one_rank_skips_everywhere_and_halves_scale(sharded):
     try:
         dp = manager.get_data_parallel_group()
         rows = block(BATCH, dp.size, dp.rank)
+        # The local mean: gradient averaging over DP (BATCH splits evenly) gives the global one.
+        local_count = (rows.stop - rows.start) * FEATURES
         runs = {}
         for scaled in (True, False):
             layers = mlp(np.float64)
@@ -53,7 +55,7 @@ def test_injected_inf_on_one_rank_skips_everywhere_and_halves_scale(sharded):
                     continue  # the reference run never sees the poisoned step
                 x = rng_array(step, (BATCH, FEATURES), np.float64)
                 opt.zero_grad()
-                backward_step(layers, x[rows], np.sin(x[rows]), BATCH * FEATURES,
+                backward_step(layers, x[rows], np.sin(x[rows]), local_count,
                               scaler.get_scale() if scaled else 1.0)
                 if scaled and step == 1 and WORLD.rank == WORLD.size - 1:
                     params[0].grad[0, 0] = np.inf
@@ -119,6 +121,8 @@ def test_fp16_recovers_from_overflow(sharded):
     try:
         dp = manager.get_data_parallel_group()
         rows = block(BATCH, dp.size, dp.rank)
+        # The local mean: gradient averaging over DP (BATCH splits evenly) gives the global one.
+        local_count = (rows.stop - rows.start) * FEATURES
         layers = mlp(np.float16)
         params = [p for layer in layers for p in layer.parameters()]
         opt = (ZeroRedundancyOptimizer(params, AdamW, lr=0.1) if sharded
@@ -131,7 +135,7 @@ def test_fp16_recovers_from_overflow(sharded):
             opt.zero_grad()
             with np.errstate(over="ignore", invalid="ignore"):  # the overflow under test
                 local = backward_step(layers, x[rows].astype(np.float16),
-                                      target[rows].astype(np.float16), BATCH * FEATURES,
+                                      target[rows].astype(np.float16), local_count,
                                       scaler.get_scale())
             losses.append(float(dp.all_reduce(np.array([local]))[0]) / (BATCH * FEATURES))
             if not sharded:
