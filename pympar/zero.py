@@ -96,6 +96,8 @@ class ZeroRedundancyOptimizer:
         This rank's share of each parameter, with ``placement`` =
         ``param.placement.then(Split(0, d, rank))``. Its ``data`` is a view of the parameter's
         rows, or the float32 master for a half-precision parameter.
+    masters : list of bool
+        Per parameter, whether its share has a float32 master (half-precision parameters).
     optimizer : Optimizer
         The wrapped optimizer, built on ``shares``; its state is share-sized.
     group : Group
@@ -106,7 +108,8 @@ class ZeroRedundancyOptimizer:
     Raises
     ------
     ValueError
-        For a 0-d parameter (it has no first axis to share) or ``bucket_bytes < 1``.
+        For a 0-d parameter (it has no first axis to share), ``bucket_bytes < 1``, or ranks
+        of ``group`` passing different shapes or dtypes (raised on every rank).
 
     Notes
     -----
@@ -128,6 +131,15 @@ class ZeroRedundancyOptimizer:
             if p.data.ndim == 0:
                 raise ValueError(f"ZeroRedundancyOptimizer: parameter {p.name or ''} is 0-d; "
                                  "it has no first axis to share (make it shape (1,))")
+        # Shares and buckets are planned from the shapes: ranks that disagree would pair
+        # mismatched collectives, so they all raise here instead.
+        mine = [(p.shape, str(p.dtype)) for p in self.params]
+        others = self.group.comm.allgather(mine)
+        if any(o != mine for o in others):
+            bad = [k for k, o in enumerate(others) if o != others[0]]
+            raise ValueError(f"ZeroRedundancyOptimizer: the ranks of group {self.group.name} "
+                             f"pass different parameters (shapes or dtypes differ from rank 0's "
+                             f"on ranks {bad})")
         d = self.group.size
         # Every rank's share of every parameter: its rows, as a slice of the first axis.
         self._rows = [[block_slice(p.shape[0], d, k) for k in range(d)] for p in self.params]

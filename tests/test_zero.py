@@ -229,3 +229,11 @@ def test_default_group_is_data_x_context_when_context_parallel():
         agree(opt.group is manager.get_data_parallel_group(), f"group {opt.group}")
     finally:
         manager.destroy_parallel()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_ranks_with_different_parameters_raise_everywhere():
+    world = Group(MPI.COMM_WORLD, "world", range(WORLD.size), owns_comm=False)
+    params = [Parameter(np.ones(4 + (WORLD.rank == WORLD.size - 1)))]
+    raises_everywhere(ValueError, "different parameters", ZeroRedundancyOptimizer, params,
+                      group=world)
