@@ -171,7 +171,7 @@ def attend_block(state: OnlineSoftmax, qh: Any, kh: Any, vh: Any, q_segs: Segmen
         m_new = xp.maximum(m_old, s.max(axis=-1))
         # A row that has seen only hidden keys so far keeps m = -inf; shift it by 0
         # instead, so that exp gives 0 rather than NaN.
-        shift = xp.where(xp.isneginf(m_new), 0, m_new)
+        shift = xp.where(m_new == -numpy.inf, 0, m_new)
         s -= shift[..., None]
         xp.exp(s, out=s)
         alpha = m_old - shift

@@ -125,7 +125,7 @@ class ContextAttention(Module):
                  seed: int = 0, xp: Any = None, input_grad: bool = True) -> None:
         super().__init__()
         if num_heads < 1 or hidden % num_heads:
-            raise ValueError(f"ContextAttention: hidden size {hidden} is not divisible by "
+            raise ValueError(f"{type(self).__name__}: hidden size {hidden} is not divisible by "
                              f"num_heads {num_heads}")
         if scheme not in SCHEMES:
             raise ValueError(f"ContextAttention: scheme must be one of {SCHEMES}, not {scheme!r}")
@@ -133,7 +133,7 @@ class ContextAttention(Module):
         self.hidden, self.num_heads, self.head_dim = int(hidden), int(num_heads), hidden // num_heads
         self.scheme, self.causal, self.layout = scheme, bool(causal), layout
         self.input_grad = bool(input_grad)
-        self.group = resolve_group(group, "ContextAttention", "context")
+        self.group = resolve_group(group, type(self).__name__, "context")
         self.ulysses, self.ring = self._groups(ulysses_size, groups)
         self.qkv = Linear(hidden, 3 * hidden, bias, dtype=dtype, seed=seed, xp=xp)
         self.proj = Linear(hidden, hidden, bias, dtype=dtype, seed=seed + 1, xp=xp)
@@ -169,7 +169,7 @@ class ContextAttention(Module):
         sizes = tuple(self.group.comm.allgather(n))  # a few bytes: the block lengths
         seq_len = sum(sizes)
         if sizes != balanced_sizes(seq_len, p):
-            raise ValueError(f"ContextAttention: block lengths {list(sizes)} over the context "
+            raise ValueError(f"{type(self).__name__}: block lengths {list(sizes)} over the context "
                              f"group are not the balanced split of {seq_len} rows "
                              f"{list(balanced_sizes(seq_len, p))}")
         u = 1 if self.ulysses is None else self.ulysses.size
@@ -194,7 +194,7 @@ class ContextAttention(Module):
         """
         n, batch = x.shape[0], x.shape[1]
         seq_len, segments = self._ring_segments(n)
-        lens = check_key_lengths("ContextAttention", key_lengths, batch, seq_len)
+        lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq_len)
         xp = array_module(x)
         qkv = self.qkv.forward(x).reshape(n, batch, 3, self.num_heads, self.head_dim)
         if self.ulysses is not None:
