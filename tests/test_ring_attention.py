@@ -12,7 +12,7 @@ from layer_helpers import numeric_grad, rng_array, tolerance
 from mpi_helpers import WORLD, agree, raises_everywhere
 from pympar import stats
 from pympar.group import Group
-from pympar.modules import ContextAttention, sequence_segments, split_context_group
+from pympar.modules import ContextAttention, blockwise, sequence_segments, split_context_group
 
 B, HIDDEN = 2, 6
 
@@ -217,3 +217,11 @@ def test_hybrid_groups_argument():
     swapped = (groups[0], groups[0])
     raises_everywhere(ValueError, "groups= must be Ulysses groups", ContextAttention, HIDDEN, 3,
                       "hybrid", group=group, groups=swapped)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_query_tiles(monkeypatch, layout):
+    """Score tiles smaller than a block (TILE_ROWS=2) give the same results."""
+    monkeypatch.setattr(blockwise, "TILE_ROWS", 2)
+    run_case(min(WORLD.size, 4), 3, 13, True, True, layout)

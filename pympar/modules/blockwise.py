@@ -9,7 +9,8 @@ Positions are described by *segments*: a rank's local rows are the concatenation
 ranges ``(start, stop)`` of the sequence, in order (one range for a contiguous block, two for
 the zig-zag order). Masks are decided per pair of segments: a pair that the mask hides
 entirely is skipped (this is where zig-zag order saves causal work), a pair that it hides
-partly gets an element mask, and the rest are computed unmasked.
+partly gets an element mask, and the rest are computed unmasked. Queries are taken
+:data:`TILE_ROWS` at a time, so score memory is linear in the block length.
 
 Masks: ``causal`` hides keys after the query; ``key_lengths[b]`` hides keys at positions
 ``>= key_lengths[b]`` of batch element ``b`` (padding). Every query keeps at least key 0
@@ -30,6 +31,10 @@ __all__ = ["sequence_segments", "segment_positions", "check_key_lengths", "key_m
            "OnlineSoftmax", "attend_block", "attend_block_backward"]
 
 Segments = Sequence[tuple[int, int]]
+
+#: Query rows per score tile: scores exist for at most this many queries at a time, so
+#: memory grows linearly with the sequence (the tile loop runs in Python, one matmul each).
+TILE_ROWS = 512
 
 
 def sequence_segments(seq_len: int, parts: int, index: int,
@@ -109,21 +114,24 @@ def key_mask(xp: Any, q_pos: Any, k_pos: Any, causal: bool, lens: Any) -> Any:
 
 
 def _pairs(q_segs: Segments, k_segs: Segments, causal: bool, lens: Any):
-    """Yield ``(q_rows, k_rows, masked)`` for every segment pair the mask does not hide."""
+    """Yield ``(q_rows, k_rows, masked, q_range, k_range)`` for every pair of a query tile
+    (at most :data:`TILE_ROWS` rows of one segment) and a key segment that the mask does not
+    hide entirely; ``masked`` says whether it hides part of the pair."""
     kmax = int(lens.max()) if lens is not None else None
     kmin = int(lens.min()) if lens is not None else None
     q0 = 0
-    for qa, qb in q_segs:
-        k0 = 0
-        for ka, kb in k_segs:
-            hidden = qb == qa or kb == ka or (causal and ka > qb - 1) or \
-                (kmax is not None and ka >= kmax)
-            if not hidden:
-                masked = (causal and kb - 1 > qa) or (kmin is not None and kb > kmin)
-                yield (slice(q0, q0 + qb - qa), slice(k0, k0 + kb - ka), masked,
-                       (qa, qb), (ka, kb))
-            k0 += kb - ka
-        q0 += qb - qa
+    for seg_a, seg_b in q_segs:
+        for qa in range(seg_a, seg_b, TILE_ROWS):
+            qb = min(qa + TILE_ROWS, seg_b)
+            k0 = 0
+            for ka, kb in k_segs:
+                hidden = kb == ka or (causal and ka > qb - 1) or (kmax is not None and ka >= kmax)
+                if not hidden:
+                    masked = (causal and kb - 1 > qa) or (kmin is not None and kb > kmin)
+                    yield (slice(q0 + qa - seg_a, q0 + qb - seg_a), slice(k0, k0 + kb - ka),
+                           masked, (qa, qb), (ka, kb))
+                k0 += kb - ka
+        q0 += seg_b - seg_a
 
 
 def _scores(xp: Any, qh: Any, kh: Any, qr: slice, kr: slice, scale: float, masked: bool,

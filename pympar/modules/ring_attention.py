@@ -41,7 +41,6 @@ class _Transfer:
     def __init__(self, group: Group, operation: str, send: Any = None, recv: Any = None,
                  tag: int = _KV) -> None:
         self.group, self.operation, self.recv, self.send = group, operation, recv, send
-        self.start = time.perf_counter()
         comm, size = group.comm, group.size
         staged = (send if send is not None else recv) is not None and \
             is_cupy_array(send if send is not None else recv) and not cuda_aware()
@@ -60,7 +59,9 @@ class _Transfer:
                                             dest=(group.rank + 1) % size, tag=tag))
 
     def wait(self) -> None:
-        """Complete both requests; account the bytes to any active stats recorder."""
+        """Complete both requests; account the bytes and the time blocked here to any active
+        stats recorder."""
+        start = time.perf_counter()
         MPI.Request.Waitall(self.requests)
         if self.recv is not None and self.wire_recv is not self.recv:
             self.recv.set(self.wire_recv)
@@ -68,7 +69,7 @@ class _Transfer:
             stats.add(self.group.name, self.operation,
                       0 if self.send is None else self.send.nbytes,
                       0 if self.recv is None else self.recv.nbytes,
-                      time.perf_counter() - self.start)
+                      time.perf_counter() - start)
 
 
 def _rows(segments: Segments) -> int:
