@@ -182,7 +182,13 @@ def test_attention_without_input_gradient(clean, kind):
         layer.forward(x)
         results.append(layer.backward(dy))
         grads.append([p.grad for p in layer.parameters()])
-    ok = results[0] is not None and results[1] is None
+    ok = results[0] is not None and results[1] is None and layer.qkv.input_grad is False
+    # switched off after construction (as Sequential does): the QKV layer hears of it too
+    late = make(causal=True)
+    late.input_grad = False
+    late.forward(x)
+    ok &= late.backward(dy) is None and late.qkv.input_grad is False
+    ok &= all(np.array_equal(p.grad, g) for p, g in zip(late.parameters(), grads[0]))
     ok &= all(np.array_equal(a, b) for a, b in zip(*grads))
     for p in layer.qkv.parameters():
         p.requires_grad, p.grad = False, None

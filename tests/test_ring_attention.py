@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from layer_helpers import numeric_grad, rng_array, tolerance
-from mpi_helpers import WORLD, agree, raises_everywhere
+from layer_helpers import XPS, get_xp, numeric_grad, rng_array, tolerance
+from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import stats
 from pympar.group import Group
 from pympar.modules import ContextAttention, blockwise, sequence_segments, split_context_group
@@ -67,7 +67,7 @@ def rows_of(seq_len, cp, rank, layout):
 
 
 def run_case(cp, heads, seq_len, causal, padded, layout, scheme="ring", dtype=np.float64,
-             ulysses_size=None, seed=3):
+             ulysses_size=None, seed=3, xp=np):
     """Compare output, dx and every parameter gradient with the serial reference; agree on WORLD."""
     if WORLD.size < cp:
         pytest.skip(f"needs {cp} ranks")
@@ -79,15 +79,15 @@ def run_case(cp, heads, seq_len, causal, padded, layout, scheme="ring", dtype=np
         dy = rng_array(seed + 1, (seq_len, B, hidden), dtype)
         lens = np.array([seq_len - 2, 3][:B]) if padded else None
         layer = ContextAttention(hidden, heads, scheme, group=group, ulysses_size=ulysses_size,
-                                 causal=causal, layout=layout, dtype=dtype, seed=seed)
+                                 causal=causal, layout=layout, dtype=dtype, seed=seed, xp=xp)
         params = [layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias]
-        expected = reference(*(a.astype(np.float64) for a in (x, *(p.data for p in params[:2]))),
-                             *(p.data.astype(np.float64) for p in params[2:]), heads, causal,
-                             lens, dy.astype(np.float64))
+        weights = [to_numpy(p.data).astype(np.float64) for p in params]
+        expected = reference(x.astype(np.float64), *weights, heads, causal, lens,
+                             dy.astype(np.float64))
         rows = rows_of(seq_len, cp, group.rank, layout)
-        y = layer.forward(np.ascontiguousarray(x[rows]), key_lengths=lens)
-        dx = layer.backward(np.ascontiguousarray(dy[rows]))
-        got = [y, dx] + [group.all_reduce(p.grad) for p in params]
+        y = layer.forward(xp.asarray(x[rows]), key_lengths=lens)
+        dx = layer.backward(xp.asarray(dy[rows]))
+        got = [to_numpy(a) for a in [y, dx] + [group.all_reduce(p.grad) for p in params]]
         want = [expected[0][rows], expected[1][rows], *expected[2:]]
         tol = tolerance(dtype)
         for name, a, e in zip(["y", "dx", "dWqkv", "dbqkv", "dWo", "dbo"], got, want):
@@ -131,6 +131,17 @@ def test_ring_attention_f64(cp, heads, seq_len, causal, padded, layout):
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
 def test_ring_attention_f32(cp):
     run_case(cp, 3, 13, True, True, "zigzag", dtype=np.float32)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("xp_name", XPS)
+@pytest.mark.parametrize("scheme,ulysses_size", [("ring", None), ("hybrid", 2)])
+def test_array_modules(scheme, ulysses_size, xp_name):
+    """NumPy and CuPy arrays through ring and hybrid attention, masked, zig-zag."""
+    if WORLD.size % 2:
+        pytest.skip("needs an even number of ranks")
+    run_case(WORLD.size, 3, 13, True, True, "zigzag", scheme=scheme, ulysses_size=ulysses_size,
+             xp=get_xp(xp_name))
 
 
 @pytest.mark.mpi(min_size=2)

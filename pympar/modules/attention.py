@@ -177,7 +177,6 @@ class ParallelAttention(Module):
         self.proj = RowParallelLinear(hidden, hidden, bias, input_is_parallel=True,
                                       use_sequence_parallel=use_sequence_parallel, dtype=dtype,
                                       group=group, seed=seed + 1, xp=xp)
-        self.qkv.input_grad = self.input_grad
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, num_heads={self.num_heads}, local_heads={self.local_heads}"
@@ -207,5 +206,7 @@ class ParallelAttention(Module):
         seq, batch = dout.shape[0], dout.shape[1]
         dout = dout.reshape(seq, batch, self.local_heads, self.head_dim)
         dqkv = array_module(dy).stack(attention_backward(dout, cache), axis=2)
+        # set here, not in __init__: Sequential may switch input_grad off after construction
+        self.qkv.input_grad = self.input_grad
         dx = self.qkv.backward(dqkv.reshape(seq, batch, 3 * self.local_heads * self.head_dim))
         return dx if self.input_grad else None

@@ -137,7 +137,6 @@ class ContextAttention(Module):
         self.ulysses, self.ring = self._groups(ulysses_size, groups)
         self.qkv = Linear(hidden, 3 * hidden, bias, dtype=dtype, seed=seed, xp=xp)
         self.proj = Linear(hidden, hidden, bias, dtype=dtype, seed=seed + 1, xp=xp)
-        self.qkv.input_grad = self.input_grad
 
     def _groups(self, ulysses_size: int | None, groups: Any) -> tuple[Group | None, Group | None]:
         if self.scheme == "ulysses":
@@ -232,5 +231,7 @@ class ContextAttention(Module):
         if self.ulysses is not None:
             dqkv = mappings.all_to_all_from_sequence_to_hidden.backward(
                 dqkv, group=self.ulysses, seq_axis=0, head_axis=3, size=self.num_heads)
+        # set here, not in __init__: Sequential may switch input_grad off after construction
+        self.qkv.input_grad = self.input_grad
         dx = self.qkv.backward(dqkv.reshape(n, batch, 3 * self.hidden))
         return dx if self.input_grad else None
