@@ -162,8 +162,9 @@ class ContextAttention(Module):
         return (f"hidden={self.hidden}, num_heads={self.num_heads}, scheme={self.scheme}, "
                 f"causal={self.causal}, layout={self.layout}, group={self.group.name}")
 
-    def _ring_segments(self, n: int) -> list:
-        """Every ring rank's global row ranges, after the Ulysses all-to-all (if any)."""
+    def _ring_segments(self, n: int) -> tuple[int, list]:
+        """The sequence length and every ring rank's global row ranges (after any Ulysses
+        all-to-all); checks that the blocks are the balanced split."""
         p = self.group.size
         sizes = tuple(self.group.comm.allgather(n))  # a few bytes: the block lengths
         seq_len = sum(sizes)
