@@ -11,6 +11,7 @@ mlp.json            2      bench_mlp.py: tensor-parallel MLP step vs serial and 
 comm_volume_8.json  8      bench_comm_volume.py: Linear3D pair vs Column+Row bytes
 comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversubscribed)
 memory.json         2      bench_memory.py: bytes per rank with ZeRO/bf16/recompute, ZeRO step
+attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memory, zig-zag
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -73,6 +74,8 @@ def plan(quick: bool) -> list[Job]:
                 ["--shapes", "256x64x256,13x9x35"], 300),
             Job("memory", "bench_memory.py", 2, "memory.json",
                 ["--shapes", "128x256", "--repeats", "3", "--warmup", "1"], 300),
+            Job("attention", "bench_attention.py", 4, "attention.json",
+                ["--seq", "512", "--repeats", "3"], 300),
         ]
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
@@ -88,6 +91,8 @@ def plan(quick: bool) -> list[Job]:
             ["--shapes", shapes], 900),
         Job("memory", "bench_memory.py", 2, "memory.json",
             ["--shapes", "512x1024,1024x2048", "--repeats", "11", "--warmup", "2"]),
+        Job("attention", "bench_attention.py", 4, "attention.json",
+            ["--seq", "4096", "--repeats", "7"], 900),
     ]
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from pympar.initializer_3d import AXES_3D, MODE_AXES, ParallelMode  # noqa: E402
 from pympar.mesh import group_ranks  # noqa: E402
+from pympar.modules.blockwise import sequence_segments  # noqa: E402
 
 DEFAULT_OUTDIR = os.path.join(os.path.dirname(HERE), "docs", "_static")
 
@@ -314,10 +315,80 @@ def draw_mappings(path: str, seq: int = 5, hidden: int = 4, ranks: int = 2) -> b
     return _save(fig, path)
 
 
+def query_owners(seq: int, ranks: int, layout: str) -> list[int]:
+    """The context rank that holds each query row under ``layout`` (ring attention)."""
+    owner = [0] * seq
+    for r in range(ranks):
+        for a, b in sequence_segments(seq, ranks, r, layout):
+            owner[a:b] = [r] * (b - a)
+    return owner
+
+
+def causal_work(seq: int, ranks: int, layout: str) -> list[int]:
+    """Causal score entries (query, key <= query) each rank computes: its query rows'."""
+    work = [0] * ranks
+    for q, r in enumerate(query_owners(seq, ranks, layout)):
+        work[r] += q + 1
+    return work
+
+
+def draw_ring(path: str, ranks: int = 4, seq: int = 16) -> bool:
+    """Draw the ring schedule and the causal work per rank in contiguous and zig-zag order."""
+    plt = _pyplot()
+    from matplotlib.patches import Rectangle
+
+    fig, axes = plt.subplots(1, 3, figsize=(12.0, 4.2),
+                             gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    ax = axes[0]
+    for step in range(ranks):
+        for r in range(ranks):
+            src = (r - step) % ranks
+            ax.add_patch(Rectangle((step * 1.6, ranks - 1 - r), 1.0, 0.8,
+                                   facecolor=PALETTE[src], edgecolor="black", lw=0.8))
+            ax.text(step * 1.6 + 0.5, ranks - 1 - r + 0.4, f"K,V {src}", ha="center",
+                    va="center", fontsize=8)
+            if step < ranks - 1:
+                y0, y1 = ranks - 1 - r + 0.4, ranks - 1 - (r + 1) % ranks + 0.4
+                if (r + 1) % ranks:
+                    ax.annotate("", xy=(step * 1.6 + 1.6, y1), xytext=(step * 1.6 + 1.0, y0),
+                                arrowprops={"arrowstyle": "->", "color": "0.3", "lw": 0.9})
+        ax.text(step * 1.6 + 0.5, ranks + 0.05, f"step {step}", ha="center", va="bottom",
+                fontsize=8)
+    for r in range(ranks):
+        ax.text(-0.15, ranks - 1 - r + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
+    ax.set_title(f"Ring schedule, {ranks} ranks: rank r keeps Q of its rows and at step t\n"
+                 f"works on the K,V block of rank (r - t) mod {ranks}, which it then sends to "
+                 f"r + 1\n(the last rank sends to rank 0; backward sends dK,dV one step "
+                 "behind)", fontsize=8.5)
+    ax.set_xlim(-1.1, ranks * 1.6)
+    ax.set_ylim(-0.7, ranks + 0.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    for ax, layout in zip(axes[1:], ("contiguous", "zigzag")):
+        owner = query_owners(seq, ranks, layout)
+        for q in range(seq):
+            for k in range(q + 1):
+                ax.add_patch(Rectangle((k, seq - 1 - q), 1, 1, facecolor=PALETTE[owner[q]],
+                                       edgecolor="white", lw=0.5))
+        ax.set_xlim(0, seq)
+        ax.set_ylim(0, seq)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_xlabel("key position", fontsize=8)
+        ax.set_ylabel("query position (top: 0)", fontsize=8)
+        ax.set_title(f"causal scores by computing rank, {layout}\nS={seq}: entries per rank "
+                     f"{causal_work(seq, ranks, layout)}", fontsize=8.5)
+    axes[0].text(ranks * 0.8 - 0.5, -0.25, "colours: rank 0 orange, 1 sky blue, 2 green, "
+                 "3 yellow", ha="center", va="top", fontsize=8)
+    return _save(fig, path)
+
+
 PICTURES = {
     "layout_tp_cp_dp.png": draw_grid,
     "cube_3d.png": draw_cube,
     "mappings.png": draw_mappings,
+    "ring.png": draw_ring,
 }
 
 

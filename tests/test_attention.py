@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from layer_helpers import XPS, block, get_xp, numeric_grad, rng_array, self_group
-from mpi_helpers import WORLD, assert_close, raises_everywhere
-from pympar import manager
+from mpi_helpers import WORLD, agree, assert_close, raises_everywhere
+from pympar import manager, stats
 from pympar.modules import DistributedAttention, ParallelAttention
+from test_ring_attention import reference
 
 S, B = 7, 2
 
@@ -111,3 +112,89 @@ def test_attention_bad_input(clean):
                       ParallelAttention, 12, 3)
     raises_everywhere(ValueError, "hidden size 10 is not divisible by num_heads 3",
                       DistributedAttention, 10, 3)
+
+
+def serial_reference(hidden, heads, seed, causal, lens, x, dy):
+    """Full weights (from a serial layer with the same seed) and the masked NumPy reference."""
+    full = DistributedAttention(hidden, heads, group=self_group(), dtype=np.float64, seed=seed)
+    ws = [full.qkv.weight.data, full.qkv.bias.data, full.proj.weight.data, full.proj.bias.data]
+    return reference(x, *ws, heads, causal, lens, dy)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("causal,padded", [(True, False), (False, True), (True, True)],
+                         ids=["causal", "padding", "both"])
+def test_distributed_attention_masks(clean, cp, causal, padded):
+    if WORLD.size % cp:
+        pytest.skip(f"needs a multiple of {cp} ranks")
+    hidden, heads, seq = 10, 5, 9
+    x, dy = rng_array(3, (seq, B, hidden), np.float64), rng_array(4, (seq, B, hidden), np.float64)
+    lens = np.array([seq - 3, 2]) if padded else None
+    y_ref, dx_ref, *grads_ref = serial_reference(hidden, heads, 9, causal, lens, x, dy)
+    manager.initialize_parallel(context_parallel_size=cp)
+    rows = block(seq, cp, manager.get_context_parallel_rank())
+    layer = DistributedAttention(hidden, heads, dtype=np.float64, seed=9, causal=causal)
+    assert_close(layer.forward(x[rows], key_lengths=lens), y_ref[rows], what="forward")
+    assert_close(layer.backward(dy[rows]), dx_ref[rows], what="dx")
+    group = manager.get_context_parallel_group()
+    for p, g in zip(layer.parameters(), grads_ref):
+        assert_close(group.all_reduce(p.grad), g, what=p.name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("causal,padded", [(True, False), (True, True)], ids=["causal", "both"])
+def test_tensor_parallel_attention_masks(clean, sp, causal, padded):
+    tp, hidden, heads, dtype = 2, 8, 4, np.float64
+    x, dy = rng_array(5, (S, B, hidden), dtype), rng_array(6, (S, B, hidden), dtype)
+    lens = np.array([S, 3]) if padded else None
+    y_ref, dx_ref, dwqkv, dbqkv, dwo, dbo = serial_reference(hidden, heads, 5, causal, lens, x, dy)
+    manager.initialize_parallel(tp)
+    r = manager.get_tensor_parallel_rank()
+    rows = block(S, tp, r) if sp else slice(None)
+    layer = ParallelAttention(hidden, heads, use_sequence_parallel=sp, dtype=dtype, seed=5,
+                              causal=causal)
+    assert_close(layer.forward(x[rows], key_lengths=lens), y_ref[rows], what="forward")
+    assert_close(layer.backward(dy[rows]), dx_ref[rows], what="dx")
+    local = np.concatenate([np.arange(hidden)[block(hidden, tp, r)] + i * hidden for i in range(3)])
+    assert_close(layer.qkv.weight.grad, dwqkv[local], what="dWqkv")
+    assert_close(layer.qkv.bias.grad, dbqkv[local], what="dbqkv")
+    assert_close(layer.proj.weight.grad, dwo[:, block(hidden, tp, r)], what="dWo")
+    assert_close(layer.proj.bias.grad, dbo, what="dbo")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["ulysses", "tp"])
+def test_attention_without_input_gradient(clean, kind):
+    """input_grad=False: backward returns None, parameter gradients are bitwise the full
+    backward's; with QKV frozen too, nothing below the output projection runs (no collective)."""
+    hidden, heads, dtype = 8, 4, np.float64
+    manager.initialize_parallel(*((2, 1) if kind == "tp" else (1, 2)))
+    rows = block(S, 2, manager.get_context_parallel_rank() if kind == "ulysses" else 0)
+    make = {"ulysses": lambda **kw: DistributedAttention(hidden, heads, dtype=dtype, seed=2, **kw),
+            "tp": lambda **kw: ParallelAttention(hidden, heads, dtype=dtype, seed=2, **kw)}[kind]
+    x = rng_array(7, (S, B, hidden), dtype)[rows if kind == "ulysses" else slice(None)]
+    dy = rng_array(8, x.shape, dtype)
+    grads, results = [], []
+    for flag in (True, False):
+        layer = make(input_grad=flag, causal=True)
+        layer.forward(x)
+        results.append(layer.backward(dy))
+        grads.append([p.grad for p in layer.parameters()])
+    ok = results[0] is not None and results[1] is None and layer.qkv.input_grad is False
+    # switched off after construction (as Sequential does): the QKV layer hears of it too
+    late = make(causal=True)
+    late.input_grad = False
+    late.forward(x)
+    ok &= late.backward(dy) is None and late.qkv.input_grad is False
+    ok &= all(np.array_equal(p.grad, g) for p, g in zip(late.parameters(), grads[0]))
+    ok &= all(np.array_equal(a, b) for a, b in zip(*grads))
+    for p in layer.qkv.parameters():
+        p.requires_grad, p.grad = False, None
+    layer.forward(x)
+    with stats.record() as rec:
+        ok &= layer.backward(dy) is None
+    ok &= all(p.grad is None for p in layer.qkv.parameters())
+    ok &= not rec.rows  # no all-to-all (Ulysses), no all-reduce of the input gradient (TP)
+    agree(ok, f"input_grad=False: results {[type(r) for r in results]}, ops {list(rec.rows)}")

@@ -23,6 +23,8 @@ from .losses import MSELoss, SoftmaxCrossEntropy
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .layers_3d import LayerNorm3D, Layout3D, Linear3D, layout_3d
 from .attention import DistributedAttention, ParallelAttention
+from .blockwise import sequence_segments
+from .context_attention import ContextAttention, split_context_group
 
 __all__ = [
     "Parameter",
@@ -37,6 +39,9 @@ __all__ = [
     "layout_3d",
     "DistributedAttention",
     "ParallelAttention",
+    "ContextAttention",
+    "split_context_group",
+    "sequence_segments",
     "GELU",
     "ReLU",
     "Dropout",

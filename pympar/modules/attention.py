@@ -1,12 +1,15 @@
 """Multi-head self-attention: sequence-parallel (Ulysses) and tensor-parallel.
 
-Activations are ``[S, B, H]`` (sequence first). :class:`DistributedAttention`
-takes a sequence shard ``[S/P, B, H]`` and uses the all-to-all mappings to
-trade it for a head shard ``[S, B, heads/P, dh]`` around the attention core,
-so every head sees the whole sequence. :class:`ParallelAttention` splits the
-heads over the tensor-parallel group with a fused QKV
-:class:`~pympar.modules.ColumnParallelLinear` and an output
-:class:`~pympar.modules.RowParallelLinear`.
+Activations are ``[S, B, H]`` (sequence first); inside attention ``q``, ``k``, ``v``
+are ``[S, B, heads, dh]``, with heads contiguous in ``H`` (head ``h`` owns columns
+``h*dh:(h+1)*dh``). :class:`DistributedAttention` takes a sequence shard ``[S/P, B, H]``
+and uses the all-to-all mappings to trade it for a head shard ``[S, B, heads/P, dh]``
+around the attention core, so every head sees the whole sequence (it is
+:class:`~pympar.modules.ContextAttention` with ``scheme="ulysses"``).
+:class:`ParallelAttention` splits the heads over the tensor-parallel group with a fused
+QKV :class:`~pympar.modules.ColumnParallelLinear` and an output
+:class:`~pympar.modules.RowParallelLinear`. Both take ``causal=`` and, per call,
+padding ``key_lengths``.
 """
 
 from __future__ import annotations
@@ -16,18 +19,26 @@ from typing import Any
 
 import numpy
 
-from .. import mappings
 from ..backend import array_module
 from ..group import Group
+from .blockwise import check_key_lengths, key_mask
+from .context_attention import ContextAttention
 from .core import Module
-from .linear import Linear
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear, resolve_group
 
 __all__ = ["attention_forward", "attention_backward", "DistributedAttention", "ParallelAttention"]
 
 
-def attention_forward(q: Any, k: Any, v: Any) -> tuple[Any, tuple]:
+def attention_forward(q: Any, k: Any, v: Any, mask: Any = None) -> tuple[Any, tuple]:
     """Softmax attention over axis 0 of ``[S, B, heads, dh]`` arrays.
+
+    Parameters
+    ----------
+    q, k, v : array
+        ``[S, B, heads, dh]``.
+    mask : array of bool, optional
+        Broadcastable to ``[B, heads, S, S]``, True where a query may see a key (see
+        :func:`~pympar.modules.blockwise.key_mask`); every query must see some key.
 
     Returns
     -------
@@ -42,6 +53,8 @@ def attention_forward(q: Any, k: Any, v: Any) -> tuple[Any, tuple]:
     qh, kh, vh = (a.transpose(1, 2, 0, 3) for a in (q, k, v))
     probs = xp.matmul(qh, kh.swapaxes(-1, -2))
     probs *= scale
+    if mask is not None:
+        xp.copyto(probs, -numpy.inf, where=~mask)  # exp(-inf) = 0: hidden keys get no weight
     probs -= probs.max(axis=-1, keepdims=True)
     xp.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -72,17 +85,17 @@ def _check_heads(layer: str, hidden: int, num_heads: int) -> int:
     return hidden // num_heads
 
 
-class DistributedAttention(Module):
+class DistributedAttention(ContextAttention):
     """Sequence-parallel multi-head self-attention (DeepSpeed-Ulysses style).
 
-    The input is this rank's sequence block ``[S_local, B, hidden]`` of the
-    context-parallel group. Q, K and V come from one fused projection, one
-    all-to-all turns the sequence shard into a head shard (heads need not
-    divide the group size: they are split by the balanced rule), attention runs
-    on whole sequences, and one all-to-all returns to the sequence shard before
-    the output projection. Projection weights are replicated; their gradients
-    are partial sums over the sequence, to be summed over the context group
-    (e.g. :func:`pympar.optim.allreduce_gradients` over the data-context group).
+    :class:`~pympar.modules.ContextAttention` with ``scheme="ulysses"``. The input is this
+    rank's sequence block ``[S_local, B, hidden]`` of the context-parallel group (the balanced
+    split). Q, K and V come from one fused projection, one all-to-all turns the sequence shard
+    into a head shard (heads need not divide the group size: they are split by the balanced
+    rule), attention runs on whole sequences, and one all-to-all returns to the sequence shard
+    before the output projection. Projection weights are replicated; their gradients are
+    partial sums over the sequence, to be summed over the context group (e.g.
+    :func:`pympar.optim.allreduce_gradients` over the data-context group).
 
     Parameters
     ----------
@@ -95,6 +108,10 @@ class DistributedAttention(Module):
     seed : int
         ``seed`` seeds the QKV projection, ``seed + 1`` the output projection.
     xp : module, optional
+    causal : bool
+        Hide keys after each query; ``forward(x, key_lengths=)`` also takes padding lengths.
+    input_grad : bool
+        False: :meth:`backward` returns None and computes no input gradient.
 
     Attributes
     ----------
@@ -105,45 +122,10 @@ class DistributedAttention(Module):
     """
 
     def __init__(self, hidden: int, num_heads: int, group: Group | None = None, bias: bool = True,
-                 dtype: Any = numpy.float32, seed: int = 0, xp: Any = None) -> None:
-        super().__init__()
-        self.head_dim = _check_heads("DistributedAttention", hidden, num_heads)
-        self.hidden, self.num_heads = int(hidden), int(num_heads)
-        self.group = resolve_group(group, "DistributedAttention", "context")
-        self.qkv = Linear(hidden, 3 * hidden, bias, dtype=dtype, seed=seed, xp=xp)
-        self.proj = Linear(hidden, hidden, bias, dtype=dtype, seed=seed + 1, xp=xp)
-
-    def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, num_heads={self.num_heads}, group={self.group.name}"
-
-    def forward(self, x: Any) -> Any:
-        """Attend over the whole sequence; ``x`` and the result are ``[S_local, B, hidden]``."""
-        s_local, batch = x.shape[0], x.shape[1]
-        qkv = self.qkv.forward(x).reshape(s_local, batch, 3, self.num_heads, self.head_dim)
-        qkv = mappings.all_to_all_from_sequence_to_hidden(qkv, group=self.group, seq_axis=0,
-                                                          head_axis=3)
-        # The full sequence and the head count are known from here on: passing them
-        # as size= spares the later all-to-alls their exchange of block sizes.
-        out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-        out = mappings.all_to_all_from_hidden_to_sequence(out, group=self.group, seq_axis=0,
-                                                          head_axis=2, size=self.num_heads)
-        self.save_for_backward(cache, qkv.shape)
-        return self.proj.forward(out.reshape(s_local, batch, self.hidden))
-
-    def backward(self, dy: Any) -> Any:
-        """Return the gradient of the input block; accumulate projection gradients."""
-        cache, qkv_shape = self.saved_tensors()
-        s_local, batch = dy.shape[0], dy.shape[1]
-        dout = self.proj.backward(dy).reshape(s_local, batch, self.num_heads, self.head_dim)
-        dout = mappings.all_to_all_from_hidden_to_sequence.backward(dout, group=self.group,
-                                                                    seq_axis=0, head_axis=2,
-                                                                    size=qkv_shape[0])
-        xp = array_module(dy)
-        dqkv = xp.stack(attention_backward(dout, cache), axis=2)
-        dqkv = mappings.all_to_all_from_sequence_to_hidden.backward(dqkv, group=self.group,
-                                                                    seq_axis=0, head_axis=3,
-                                                                    size=self.num_heads)
-        return self.qkv.backward(dqkv.reshape(s_local, batch, 3 * self.hidden))
+                 dtype: Any = numpy.float32, seed: int = 0, xp: Any = None, causal: bool = False,
+                 input_grad: bool = True) -> None:
+        super().__init__(hidden, num_heads, "ulysses", group=group, causal=causal, bias=bias,
+                         dtype=dtype, seed=seed, xp=xp, input_grad=input_grad)
 
 
 class ParallelAttention(Module):
@@ -169,12 +151,19 @@ class ParallelAttention(Module):
     seed : int
         ``seed`` seeds QKV, ``seed + 1`` the output projection.
     xp : module, optional
+    causal : bool
+        Hide keys after each query; ``forward(x, key_lengths=)`` also takes padding lengths.
+    input_grad : bool
+        False: :meth:`backward` returns None, and the QKV layer computes no input gradient
+        and issues no collective for it.
     """
 
     def __init__(self, hidden: int, num_heads: int, group: Group | None = None,
                  use_sequence_parallel: bool = False, bias: bool = True,
-                 dtype: Any = numpy.float32, seed: int = 0, xp: Any = None) -> None:
+                 dtype: Any = numpy.float32, seed: int = 0, xp: Any = None,
+                 causal: bool = False, input_grad: bool = True) -> None:
         super().__init__()
+        self.causal, self.input_grad = bool(causal), bool(input_grad)
         self.head_dim = _check_heads("ParallelAttention", hidden, num_heads)
         group = resolve_group(group, "ParallelAttention")
         if num_heads % group.size:
@@ -192,20 +181,32 @@ class ParallelAttention(Module):
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, num_heads={self.num_heads}, local_heads={self.local_heads}"
 
-    def forward(self, x: Any) -> Any:
-        """Self-attention of ``x`` (``[S, B, hidden]``, or a sequence block)."""
+    def forward(self, x: Any, key_lengths: Any = None) -> Any:
+        """Self-attention of ``x`` (``[S, B, hidden]``, or a sequence block).
+
+        ``key_lengths`` (``[B]`` integers, optional): keys at positions ``>= key_lengths[b]``
+        are padding.
+        """
         qkv = self.qkv.forward(x)
         seq, batch = qkv.shape[0], qkv.shape[1]
+        lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq)
+        pos = numpy.arange(seq)
+        mask = key_mask(array_module(x), pos, pos, self.causal, lens)
         qkv = qkv.reshape(seq, batch, 3, self.local_heads, self.head_dim)
-        out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask)
         self.save_for_backward(cache)
         return self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
 
     def backward(self, dy: Any) -> Any:
-        """Return the input gradient; accumulate all projection gradients."""
+        """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
         (cache,) = self.saved_tensors()
         dout = self.proj.backward(dy)
+        if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):
+            return None  # nothing below the output projection needs a gradient
         seq, batch = dout.shape[0], dout.shape[1]
         dout = dout.reshape(seq, batch, self.local_heads, self.head_dim)
         dqkv = array_module(dy).stack(attention_backward(dout, cache), axis=2)
-        return self.qkv.backward(dqkv.reshape(seq, batch, 3 * self.local_heads * self.head_dim))
+        # set here, not in __init__: Sequential may switch input_grad off after construction
+        self.qkv.input_grad = self.input_grad
+        dx = self.qkv.backward(dqkv.reshape(seq, batch, 3 * self.local_heads * self.head_dim))
+        return dx if self.input_grad else None
