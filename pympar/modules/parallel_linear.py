@@ -17,49 +17,14 @@ import numpy
 from .. import mappings
 from ..backend import array_module
 from ..group import Group
-from .core import Module, Parameter
-from .init import InitMethod, bias_init as torch_bias_init, initialize_affine_weight, partition_slices
-from .linear import check_input
+from ..manager import resolve_group
+from ..partition import Placement, Split
+from .core import Module, Parameter, check_array
+from .init_methods import InitMethod
+from .sharded_init import init_bias, init_shard
 
+# resolve_group lives in pympar.manager; this alias keeps the old import working.
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_group"]
-
-
-def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Group:
-    """Return ``group``, or this rank's current group of ``axis`` when it is None.
-
-    Parameters
-    ----------
-    group : Group or None
-    layer : str
-        Named in the error message.
-    axis : {"tensor", "context", "data", "data_context"}
-        Which group of the current parallel state to use.
-
-    Raises
-    ------
-    RuntimeError
-        Naming ``layer`` when no group is given and no parallel state exists.
-    """
-    if group is not None:
-        return group
-    from .. import manager
-
-    if not manager.is_initialized():
-        kind = {"tensor": "tensor-parallel", "context": "context-parallel"}.get(axis, axis)
-        raise RuntimeError(f"{layer} needs a {kind} group: call "
-                           "pympar.manager.initialize_parallel() first or pass group=")
-    return getattr(manager.get_parallel_state(), axis)
-
-
-def _make_bias(kind: str, num_features: int, fan_in: int, tp: int, rank: int, dtype: Any,
-               seed: int, stride: int, layer: str) -> Any:
-    if kind == "uniform":
-        return torch_bias_init(num_features, fan_in, tp, dtype, rank=rank, seed=seed, stride=stride)
-    if kind == "zeros":
-        width = sum(s.stop - s.start for s in partition_slices(num_features, tp, rank, stride))
-        return numpy.zeros(width, dtype=dtype)
-    raise ValueError(f"{layer}: bias_init must be 'uniform' (torch nn.Linear) or 'zeros', "
-                     f"not {kind!r}")
 
 
 def _matmul_into(xp: Any, a2d: Any, b: Any, rows: int, cols: int, dtype: Any) -> Any:
@@ -102,17 +67,29 @@ class _TensorParallelLinear(Module):
         return _matmul_into(xp, dy2d, w, dy2d.shape[0], w.shape[1], w.dtype).reshape(
             *x_shape[:-1], w.shape[1])
 
+    def _init_parameters(self, weight_split: Split, bias_split: Split | None, bias: bool,
+                         init_method: Union[str, InitMethod], bias_init: str, seed: int,
+                         xp: Any) -> None:
+        """Create ``weight`` (and ``bias``) as this rank's blocks of the serial layer's."""
+        placement = Placement((self.out_features, self.in_features), (weight_split,))
+        self.weight = Parameter(init_shard(placement, init_method, self.dtype, seed=seed, xp=xp),
+                                placement=placement)
+        self.bias = None
+        if bias:
+            placement = Placement((self.out_features,), () if bias_split is None else (bias_split,))
+            self.bias = Parameter(init_bias(bias_init, placement, self.in_features, self.dtype,
+                                            seed=seed, xp=xp, layer=type(self).__name__),
+                                  placement=placement)
+
     def _check_grad(self, dy: Any, expected: tuple) -> None:
-        if tuple(dy.shape) != tuple(expected) or dy.dtype != self.dtype:
-            raise ValueError(f"{self!r}: expected output gradient of shape {tuple(expected)} "
-                             f"and dtype {self.dtype.name}, got {tuple(dy.shape)} {dy.dtype}")
+        check_array(self, dy, None, self.dtype, what="output gradient", shape=tuple(expected))
 
 
 class ColumnParallelLinear(_TensorParallelLinear):
     """``y = x @ W.T + b`` with the output features split over the TP group.
 
-    Rank ``r`` holds rows ``r`` of the full ``(out_features, in_features)``
-    weight (balanced split, block ``r`` of :func:`~pympar.modules.partition_slices`)
+    Rank ``r`` holds row block ``r`` of the full ``(out_features, in_features)``
+    weight (balanced split, :func:`~pympar.partition.strided_slices`)
     and the matching bias entries.
 
     Parameters
@@ -152,9 +129,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
     Attributes
     ----------
     weight : Parameter
-        ``(out_local, in_features)``, ``partition_dim=0``.
+        ``(out_local, in_features)``; its ``placement`` splits axis 0 over ``group``
+        (with ``stride``).
     bias : Parameter or None
-        ``(out_local,)``, ``partition_dim=0``.
+        ``(out_local,)``, split like the weight's rows.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -170,22 +148,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
                              "gathering them would interleave the parts, use gather_output=False")
         self.gather_output = bool(gather_output)
         self.stride = int(stride)
-        tp, rank = self.group.size, self.group.rank
-        weight = initialize_affine_weight((self.out_features, self.in_features), tp, 0, init_method,
-                                          self.dtype, rank=rank, seed=seed, stride=self.stride, xp=xp)
-        self.weight = Parameter(weight, partition_dim=0, partition_stride=self.stride,
-                                group=self.group)
-        if bias:
-            b = _make_bias(bias_init, self.out_features, self.in_features, tp, rank, self.dtype,
-                           seed, self.stride, "ColumnParallelLinear")
-            self.bias = Parameter(b if xp is None else xp.asarray(b), partition_dim=0,
-                                  partition_stride=self.stride, group=self.group)
-        else:
-            self.bias = None
+        split = Split.over(self.group, 0, self.stride)
+        self._init_parameters(split, split, bias, init_method, bias_init, seed, xp)
 
     def forward(self, x: Any) -> Any:
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
-        check_input(self, x, self.in_features, self.dtype)
+        check_array(self, x, self.in_features, self.dtype)
         if self.use_sequence_parallel:
             total = mappings.gather_from_sequence(x, group=self.group)
         else:
@@ -263,9 +231,9 @@ class RowParallelLinear(_TensorParallelLinear):
     Attributes
     ----------
     weight : Parameter
-        ``(out_features, in_local)``, ``partition_dim=1``.
+        ``(out_features, in_local)``; its ``placement`` splits axis 1 over ``group``.
     bias : Parameter or None
-        ``(out_features,)``, replicated on every rank of the group.
+        ``(out_features,)``, replicated on every rank of the group (placement replicated).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -276,21 +244,13 @@ class RowParallelLinear(_TensorParallelLinear):
         super().__init__()
         self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
         self.input_is_parallel = bool(input_is_parallel)
-        tp, rank = self.group.size, self.group.rank
-        weight = initialize_affine_weight((self.out_features, self.in_features), tp, 1, init_method,
-                                          self.dtype, rank=rank, seed=seed, xp=xp)
-        self.weight = Parameter(weight, partition_dim=1, group=self.group)
-        if bias:
-            b = _make_bias(bias_init, self.out_features, self.in_features, 1, 0, self.dtype,
-                           seed, 1, "RowParallelLinear")
-            self.bias = Parameter(b if xp is None else xp.asarray(b))
-        else:
-            self.bias = None
+        self._init_parameters(Split.over(self.group, 1), None, bias, init_method, bias_init,
+                              seed, xp)
 
     def forward(self, x: Any) -> Any:
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
-        check_input(self, x, width, self.dtype)
+        check_array(self, x, width, self.dtype)
         if not self.input_is_parallel:
             x = mappings.scatter_to_hidden(x, group=self.group)
         partial, x2d = self._local_affine(x)
