@@ -275,12 +275,18 @@ class Linear3D(Module):
         layout = self.layout
         layout.swapped().check(dy, repr(self), "output gradient")
         check_array(self, dy, None, self.dtype, what="output gradient block", shape=y_shape)
+        bias_grad = self.bias is not None and self.bias.requires_grad
+        if not (self.input_grad or self.weight.requires_grad or bias_grad):
+            return None
+        if (self.input_grad and w_rows is None) or (self.weight.requires_grad and x2d is None):
+            raise RuntimeError(f"{self!r}: input_grad or requires_grad changed between forward "
+                               "and backward")
         rows_out = sum(self._gathered_rows)
         dy_rows = layout.output.all_gather(dy, axis=0).reshape(-1, rows_out)
-        if x2d is not None:
+        if self.weight.requires_grad:
             self.weight.accumulate_grad(layout.weight.reduce_scatter(dy_rows.T @ x2d, axis=0),
                                         consume=True)
-        if self.bias is not None and self.bias.requires_grad:
+        if bias_grad:
             # dy_rows already holds the output group's rows: its column sums are that sum.
             db = dy_rows.sum(axis=0)
             self.bias.accumulate_grad(layout.weight.reduce_scatter(db, axis=0), consume=True)

@@ -34,6 +34,9 @@ class Linear(Module):
         Init seed. Layers with the same seed and shape start identical: give each layer its own.
     xp : module, optional
         ``numpy`` (default) or ``cupy``.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient and returns None (a first layer,
+        whose input is data).
 
     Attributes
     ----------
@@ -52,8 +55,10 @@ class Linear(Module):
         dtype: Any = numpy.float32,
         seed: int = 0,
         xp: ModuleType | None = None,
+        input_grad: bool = True,
     ) -> None:
         super().__init__()
+        self.input_grad = bool(input_grad)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.dtype = numpy.dtype(dtype)
@@ -88,12 +93,16 @@ class Linear(Module):
         return y2d.reshape(*x.shape[:-1], self.out_features)
 
     def backward(self, dy: Any) -> Any:
-        """Return ``dy @ W``; accumulate ``dW += dy.T @ x`` and ``db += sum(dy)``."""
+        """Return ``dy @ W`` (None with ``input_grad=False``); accumulate ``dW += dy.T @ x``
+        and ``db += sum(dy)`` for the parameters that are not frozen."""
         x2d, x_shape = self.saved_tensors()
         check_array(self, dy, None, self.dtype, what="output gradient",
                     shape=(*x_shape[:-1], self.out_features))
         dy2d = dy.reshape(-1, self.out_features)
-        self.weight.accumulate_grad(dy2d.T @ x2d, consume=True)
-        if self.bias is not None:
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(dy2d.T @ x2d, consume=True)
+        if self.bias is not None and self.bias.requires_grad:
             self.bias.accumulate_grad(dy2d.sum(axis=0), consume=True)
+        if not self.input_grad:
+            return None
         return (dy2d @ self.weight.data).reshape(x_shape)

@@ -37,7 +37,9 @@ class _TensorParallelLinear(Module):
     """Shared parts: group, shapes, input checks and the local affine math."""
 
     def _setup(self, in_features: int, out_features: int, group: Group | None,
-               dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool) -> None:
+               dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool,
+               input_grad: bool) -> None:
+        self.input_grad = bool(input_grad)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.dtype = numpy.dtype(dtype)
@@ -58,12 +60,16 @@ class _TensorParallelLinear(Module):
         return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
 
     def _local_affine_backward(self, dy: Any, x2d: Any, x_shape: tuple) -> Any:
-        """Accumulate ``dW`` from the local output gradient and return ``dy @ W_local``."""
+        """Accumulate ``dW`` (unless frozen) from the local output gradient and return
+        ``dy @ W_local`` (None with ``input_grad=False``)."""
         xp = array_module(dy)
         w = self.weight.data
         dy2d = dy.reshape(-1, w.shape[0])
-        self.weight.accumulate_grad(
-            _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(
+                _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
+        if not self.input_grad:
+            return None
         return _matmul_into(xp, dy2d, w, dy2d.shape[0], w.shape[1], w.dtype).reshape(
             *x_shape[:-1], w.shape[1])
 
@@ -125,6 +131,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
         rank holds its block of every part. Needs ``gather_output=False``.
     xp : module, optional
         ``numpy`` (default) or ``cupy``: where the parameters live.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient, issues no all-reduce (or, with
+        sequence parallelism, no reduce-scatter) for it, and returns None.
 
     Attributes
     ----------
@@ -140,9 +149,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
                  skip_bias_add: bool = False, init_method: Union[str, InitMethod] = "kaiming_uniform",
                  bias_init: str = "uniform", dtype: Any = numpy.float32,
                  group: Group | None = None, seed: int = 0, stride: int = 1,
-                 xp: Any = None) -> None:
+                 xp: Any = None, input_grad: bool = True) -> None:
         super().__init__()
-        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
+        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel,
+                    input_grad)
         if stride > 1 and gather_output:
             raise ValueError(f"ColumnParallelLinear: stride={stride} keeps fused parts per rank; "
                              "gathering them would interleave the parts, use gather_output=False")
@@ -172,7 +182,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         return y, bias
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
-        """Return the input gradient; accumulate weight and bias gradients.
+        """Return the input gradient (None with ``input_grad=False``); accumulate the
+        gradients of the weight and bias unless they are frozen.
 
         Parameters
         ----------
@@ -188,12 +199,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
             dy = mappings.gather_from_hidden.backward(dy, group=self.group)
             if dbias is not None:
                 dbias = mappings.gather_from_hidden.backward(dbias, group=self.group)
-        if self.bias is not None:
+        if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
                 dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
             if dbias is not None:
                 self.bias.accumulate_grad(dbias)
         dtotal = self._local_affine_backward(dy, x2d, total_shape)
+        if dtotal is None:
+            return None
         if self.use_sequence_parallel:
             return mappings.gather_from_sequence.backward(dtotal, group=self.group)
         # dtotal is a fresh array of this layer: sum it in place (MPI_IN_PLACE skips a copy
@@ -227,6 +240,9 @@ class RowParallelLinear(_TensorParallelLinear):
         ``dbias``.
     init_method, bias_init, dtype, group, seed, xp
         As in :class:`ColumnParallelLinear`.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient, issues no all-gather for it, and
+        returns None.
 
     Attributes
     ----------
@@ -240,9 +256,11 @@ class RowParallelLinear(_TensorParallelLinear):
                  input_is_parallel: bool = False, use_sequence_parallel: bool = False,
                  skip_bias_add: bool = False, init_method: Union[str, InitMethod] = "kaiming_uniform",
                  bias_init: str = "uniform", dtype: Any = numpy.float32,
-                 group: Group | None = None, seed: int = 0, xp: Any = None) -> None:
+                 group: Group | None = None, seed: int = 0, xp: Any = None,
+                 input_grad: bool = True) -> None:
         super().__init__()
-        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
+        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel,
+                    input_grad)
         self.input_is_parallel = bool(input_is_parallel)
         self._init_parameters(Split.over(self.group, 1), None, bias, init_method, bias_init,
                               seed, xp)
@@ -267,7 +285,8 @@ class RowParallelLinear(_TensorParallelLinear):
         return y
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
-        """Return the input gradient (in the input's layout); accumulate gradients.
+        """Return the input gradient in the input's layout (None with ``input_grad=False``);
+        accumulate the gradients of the weight and bias unless they are frozen.
 
         Parameters
         ----------
@@ -278,7 +297,7 @@ class RowParallelLinear(_TensorParallelLinear):
         """
         x2d, x_shape, y_shape = self.saved_tensors()
         self._check_grad(dy, y_shape)
-        if self.bias is not None:
+        if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
                 dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
             if self.use_sequence_parallel:
@@ -289,12 +308,15 @@ class RowParallelLinear(_TensorParallelLinear):
                 dbias = self.group.all_reduce(dbias)
             if dbias is not None:
                 self.bias.accumulate_grad(dbias)
+        if not (self.input_grad or self.weight.requires_grad):
+            # Neither remaining gradient needs the gathered output gradient.
+            return None
         if self.use_sequence_parallel:
             dpartial = mappings.reduce_scatter_to_sequence.backward(dy, group=self.group,
                                                                     size=x_shape[0])
         else:
             dpartial = mappings.reduce_from_all.backward(dy, group=self.group)
         dx = self._local_affine_backward(dpartial, x2d, x_shape)
-        if self.input_is_parallel:
+        if dx is None or self.input_is_parallel:
             return dx
         return mappings.scatter_to_hidden.backward(dx, group=self.group, size=self.in_features)
