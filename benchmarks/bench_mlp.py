@@ -13,15 +13,19 @@ variants, timed in the same job, interleaved round by round:
 * ``pympar serial p threads``: the same with ``p`` BLAS threads (all cores);
 * ``pympar TP=p``: ``ColumnParallelLinear(gather_output=False) -> GELU ->
   RowParallelLinear(input_is_parallel=True)``, one BLAS thread per rank;
+* ``pympar TP=p no dx``: the same model built with ``input_grad=False``: no input
+  gradient, and no all-reduce of it;
 * ``torch serial 1 / p threads`` and ``torch DTensor TP=p``
   (``ColwiseParallel``/``RowwiseParallel`` through ``parallelize_module`` on
-  gloo) when torch is installed.
+  gloo), and ``torch DTensor TP=p no dx`` (an input that does not require its
+  gradient), when torch is installed.
 
 A step is forward and backward with fresh gradients (set to None before each
 step, so no variant pays for accumulation); the input requires its gradient
-in every variant. All variants start from the same weights (pympar's seeded
-init, copied into torch), and the first step of each is checked against the
-serial pympar result. Parallel efficiency is ``serial 1 thread / (p x TP=p)``.
+in every variant but the two ``no dx`` ones, which compare the same work side by side.
+All variants start from the same weights (pympar's seeded init, copied into torch), and
+the first step of each is checked against the serial pympar result (output, and input
+gradient where computed). Parallel efficiency is ``serial 1 thread / (p x TP=p)``.
 """
 
 from __future__ import annotations
@@ -71,10 +75,12 @@ def pympar_serial(hidden: int, ffn: int) -> Sequential:
     return Sequential(Linear(hidden, ffn, seed=SEEDS[0]), GELU(), Linear(ffn, hidden, seed=SEEDS[1]))
 
 
-def pympar_tensor_parallel(hidden: int, ffn: int) -> Sequential:
-    """The Megatron MLP over the current tensor-parallel group (same full weights)."""
+def pympar_tensor_parallel(hidden: int, ffn: int, input_grad: bool = True) -> Sequential:
+    """The Megatron MLP over the current tensor-parallel group (same full weights);
+    ``input_grad=False`` skips the input gradient and its all-reduce."""
     return Sequential(ColumnParallelLinear(hidden, ffn, gather_output=False, seed=SEEDS[0]), GELU(),
-                      RowParallelLinear(ffn, hidden, input_is_parallel=True, seed=SEEDS[1]))
+                      RowParallelLinear(ffn, hidden, input_is_parallel=True, seed=SEEDS[1]),
+                      input_grad=input_grad)
 
 
 def pympar_step(model: Sequential, x: np.ndarray, dy: np.ndarray) -> tuple[Any, Any]:
@@ -111,8 +117,14 @@ def torch_dtensor(torch: Any, serial: Sequential, comm: MPI.Comm) -> Any:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+def _host(a: Any) -> np.ndarray:
+    """A NumPy view of a pympar or torch result."""
+    return np.asarray(a.detach().numpy() if hasattr(a, "detach") else a)
+
+
 def torch_step(model: Any, x: Any, dy: Any) -> tuple[Any, Any]:
-    """One forward + backward with fresh gradients; returns ``(y, dx)``."""
+    """One forward + backward with fresh gradients; returns ``(y, dx)`` (``dx`` None when
+    ``x`` requires no gradient)."""
     model.zero_grad(set_to_none=True)
     x.grad = None
     y = model(x)
@@ -145,6 +157,7 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
     dy = (rng.standard_normal((tokens, hidden)) / np.sqrt(tokens * hidden)).astype(np.float32)
     serial = pympar_serial(hidden, ffn)
     parallel = pympar_tensor_parallel(hidden, ffn)
+    no_dx = pympar_tensor_parallel(hidden, ffn, input_grad=False)
     one, many = _threads(torch, 1), _threads(torch, p)
 
     # Reference and checks: every variant's first step against the serial pympar one.
@@ -153,13 +166,13 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
     checks: dict[str, float] = {}
 
     def check(name: str, y: Any, dx: Any) -> None:
-        y, dx = (np.asarray(a.detach().numpy() if hasattr(a, "detach") else a) for a in (y, dx))
-        err = max(float(np.max(np.abs(y - y_ref)) / np.max(np.abs(y_ref))),
-                  float(np.max(np.abs(dx - dx_ref)) / np.max(np.abs(dx_ref))))
+        pairs = [(y, y_ref)] + ([] if dx is None else [(dx, dx_ref)])
+        err = max(float(np.max(np.abs(_host(a) - ref)) / np.max(np.abs(ref))) for a, ref in pairs)
         checks[name] = comm.allreduce(err, op=MPI.MAX)
 
     steps: dict[str, Callable[[], float]] = {}
     s1, sp, tp = "pympar serial 1 thread", f"pympar serial {p} threads", f"pympar TP={p}"
+    tp_nodx = f"pympar TP={p} no dx"
     def sampler(timer: Callable[..., float], threads: Callable[..., Callable[[], Any]],
                 step: Callable[[], Any]) -> Callable[[], float]:
         # Thread counts are set outside the timed region.
@@ -169,22 +182,28 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
     steps[s1] = sampler(root, one, lambda: pympar_step(serial, x, dy))
     steps[sp] = sampler(root, many, lambda: pympar_step(serial, x, dy))
     steps[tp] = sampler(every, one, lambda: pympar_step(parallel, x, dy))
+    steps[tp_nodx] = sampler(every, one, lambda: pympar_step(no_dx, x, dy))
     with common.blas_threads(1):
         check(tp, *pympar_step(parallel, x, dy))
-    names = {"serial1": s1, "serialp": sp, "tp": tp}
+        check(tp_nodx, *pympar_step(no_dx, x, dy))
+    names = {"serial1": s1, "serialp": sp, "tp": tp, "tp_nodx": tp_nodx}
     if torch is not None:
         t_serial = torch_serial(torch, serial)
         t_parallel = torch_dtensor(torch, serial, comm)
         tx = torch.from_numpy(x.copy()).requires_grad_(True)
+        tx_nodx = torch.from_numpy(x.copy())  # requires no gradient
         tdy = torch.from_numpy(dy.copy())
         t1, tpn, ttp = "torch serial 1 thread", f"torch serial {p} threads", f"torch DTensor TP={p}"
+        ttp_nodx = f"torch DTensor TP={p} no dx"
         steps[t1] = sampler(root, one, lambda: torch_step(t_serial, tx, tdy))
         steps[tpn] = sampler(root, many, lambda: torch_step(t_serial, tx, tdy))
         steps[ttp] = sampler(every, one, lambda: torch_step(t_parallel, tx, tdy))
+        steps[ttp_nodx] = sampler(every, one, lambda: torch_step(t_parallel, tx_nodx, tdy))
         torch.set_num_threads(1)
         check(t1, *torch_step(t_serial, tx, tdy))
         check(ttp, *torch_step(t_parallel, tx, tdy))
-        names.update(torch_serial1=t1, torch_serialp=tpn, torch_tp=ttp)
+        check(ttp_nodx, *torch_step(t_parallel, tx_nodx, tdy))
+        names.update(torch_serial1=t1, torch_serialp=tpn, torch_tp=ttp, torch_tp_nodx=ttp_nodx)
     samples = common.interleaved(steps, repeats, warmup, comm, settle=SETTLE)
     ms = {name: common.median(values) * 1e3 for name, values in samples.items()}
     row: dict[str, Any] = {
@@ -198,6 +217,7 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
     if torch is not None:
         row["efficiency_torch"] = ms[names["torch_serial1"]] / (p * ms[names["torch_tp"]])
         row["ratio_pympar_tp_over_torch_tp"] = ms[tp] / ms[names["torch_tp"]]
+        row["ratio_pympar_nodx_over_torch_nodx"] = ms[tp_nodx] / ms[names["torch_tp_nodx"]]
         row["ratio_pympar_tp_over_torch_serialp"] = ms[tp] / ms[names["torch_serialp"]]
     return row
 
@@ -247,7 +267,11 @@ def format_row(row: dict[str, Any]) -> str:
     lines.append(f"    parallel efficiency pympar {row['efficiency_pympar']:.3f}"
                  + (f", torch {row['efficiency_torch']:.3f}" if "efficiency_torch" in row else ""))
     if "ratio_pympar_tp_over_torch_tp" in row:
-        lines.append(f"    pympar TP / torch DTensor TP {row['ratio_pympar_tp_over_torch_tp']:.3f}")
+        lines.append(f"    pympar TP / torch DTensor TP {row['ratio_pympar_tp_over_torch_tp']:.3f}"
+                     " (input gradient computed)")
+    if "ratio_pympar_nodx_over_torch_nodx" in row:
+        lines.append("    pympar TP no dx / torch DTensor TP no dx "
+                     f"{row['ratio_pympar_nodx_over_torch_nodx']:.3f} (input gradient skipped)")
     return "\n".join(lines)
 
 

@@ -9,8 +9,6 @@ state. It is the one piece of module-level state in pympar.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 from mpi4py import MPI
 
 from .group import Group
@@ -24,6 +22,7 @@ __all__ = [
     "is_initialized",
     "get_parallel_state",
     "get_3d_group",
+    "resolve_group",
     "get_tensor_parallel_group",
     "get_tensor_parallel_group_name",
     "get_tensor_parallel_rank",
@@ -217,41 +216,124 @@ def get_3d_group(mode: ParallelMode | str) -> Group:
     return state.groups_3d[ParallelMode(mode)]
 
 
-_AXIS_TITLES = {"tensor": "tensor-parallel", "context": "context (sequence) parallel",
-                "data": "data-parallel", "data_context": "data x context parallel"}
-_VIEWS: dict[str, tuple[Callable[[Group], object], str]] = {
-    "group": (lambda g: g, "the :class:`~pympar.group.Group`"),
-    "group_name": (lambda g: g.name, "the name"),
-    "rank": (lambda g: g.rank, "this rank's position in"),
-    "world_size": (lambda g: g.size, "the size of"),
-}
+_KIND = {"tensor": "tensor-parallel", "context": "context-parallel", "data": "data-parallel",
+         "data_context": "data x context parallel"}
 
 
-def _getter(axis: str, view: str) -> Callable[[], object]:
-    read, what = _VIEWS[view]
+def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Group:
+    """Return ``group``, or this rank's group of ``axis`` in the current parallel state.
 
-    def getter() -> object:
-        return read(getattr(get_parallel_state(), axis))
+    The one place where layers and mappings pick their default group.
 
-    getter.__name__ = getter.__qualname__ = f"get_{axis}_parallel_{view}"
-    getter.__doc__ = (f"Return {what} of this rank's {_AXIS_TITLES[axis]} group.\n\n"
-                      "Raises\n------\nRuntimeError\n    Before :func:`initialize_parallel`.\n")
-    return getter
+    Parameters
+    ----------
+    group : Group or None
+        An explicit group; returned as is.
+    layer : str
+        Named in the error message (e.g. ``"ColumnParallelLinear"``).
+    axis : {"tensor", "context", "data", "data_context"}
+        Which group of the current parallel state to use.
+
+    Returns
+    -------
+    Group
+
+    Raises
+    ------
+    RuntimeError
+        Naming ``layer`` when ``group`` is None and no parallel state exists.
+    ValueError
+        For an unknown ``axis``.
+    """
+    if group is not None:
+        return group
+    if axis not in _KIND:
+        raise ValueError(f"{layer}: unknown group axis {axis!r}; expected one of {sorted(_KIND)}")
+    if _state is None:
+        raise RuntimeError(f"{layer} needs a {_KIND[axis]} group: call "
+                           "pympar.manager.initialize_parallel() first or pass group=")
+    group_of_axis: Group = getattr(_state, axis)
+    return group_of_axis
 
 
-get_tensor_parallel_group = _getter("tensor", "group")
-get_tensor_parallel_group_name = _getter("tensor", "group_name")
-get_tensor_parallel_rank = _getter("tensor", "rank")
-get_tensor_parallel_world_size = _getter("tensor", "world_size")
-get_context_parallel_group = _getter("context", "group")
-get_context_parallel_group_name = _getter("context", "group_name")
-get_context_parallel_rank = _getter("context", "rank")
-get_context_parallel_world_size = _getter("context", "world_size")
-get_data_parallel_group = _getter("data", "group")
-get_data_parallel_group_name = _getter("data", "group_name")
-get_data_parallel_rank = _getter("data", "rank")
-get_data_parallel_world_size = _getter("data", "world_size")
-get_data_context_parallel_group = _getter("data_context", "group")
-get_data_context_parallel_group_name = _getter("data_context", "group_name")
-get_data_context_parallel_rank = _getter("data_context", "rank")
-get_data_context_parallel_world_size = _getter("data_context", "world_size")
+# The 16 getters of MindScience's distributed.manager, written out so that each has a real
+# return type. Each raises RuntimeError before initialize_parallel.
+
+def get_tensor_parallel_group() -> Group:
+    """Return this rank's tensor-parallel :class:`~pympar.group.Group`."""
+    return get_parallel_state().tensor
+
+
+def get_tensor_parallel_group_name() -> str:
+    """Return the name of this rank's tensor-parallel group."""
+    return get_parallel_state().tensor.name
+
+
+def get_tensor_parallel_rank() -> int:
+    """Return this rank's position in its tensor-parallel group."""
+    return get_parallel_state().tensor.rank
+
+
+def get_tensor_parallel_world_size() -> int:
+    """Return the size of this rank's tensor-parallel group."""
+    return get_parallel_state().tensor.size
+
+
+def get_context_parallel_group() -> Group:
+    """Return this rank's context (sequence) parallel :class:`~pympar.group.Group`."""
+    return get_parallel_state().context
+
+
+def get_context_parallel_group_name() -> str:
+    """Return the name of this rank's context-parallel group."""
+    return get_parallel_state().context.name
+
+
+def get_context_parallel_rank() -> int:
+    """Return this rank's position in its context-parallel group."""
+    return get_parallel_state().context.rank
+
+
+def get_context_parallel_world_size() -> int:
+    """Return the size of this rank's context-parallel group."""
+    return get_parallel_state().context.size
+
+
+def get_data_parallel_group() -> Group:
+    """Return this rank's data-parallel :class:`~pympar.group.Group`."""
+    return get_parallel_state().data
+
+
+def get_data_parallel_group_name() -> str:
+    """Return the name of this rank's data-parallel group."""
+    return get_parallel_state().data.name
+
+
+def get_data_parallel_rank() -> int:
+    """Return this rank's position in its data-parallel group."""
+    return get_parallel_state().data.rank
+
+
+def get_data_parallel_world_size() -> int:
+    """Return the size of this rank's data-parallel group."""
+    return get_parallel_state().data.size
+
+
+def get_data_context_parallel_group() -> Group:
+    """Return this rank's data x context parallel :class:`~pympar.group.Group`."""
+    return get_parallel_state().data_context
+
+
+def get_data_context_parallel_group_name() -> str:
+    """Return the name of this rank's data x context parallel group."""
+    return get_parallel_state().data_context.name
+
+
+def get_data_context_parallel_rank() -> int:
+    """Return this rank's position in its data x context parallel group."""
+    return get_parallel_state().data_context.rank
+
+
+def get_data_context_parallel_world_size() -> int:
+    """Return the size of this rank's data x context parallel group."""
+    return get_parallel_state().data_context.size

@@ -169,14 +169,6 @@ class Mesh:
             rank, coords[axis] = divmod(rank, self.sizes[axis])
         return coords
 
-    def rank_of(self, coords: Mapping[str, int]) -> int:
-        """Return the global rank at ``coords`` (missing axes count as 0)."""
-        rank, stride = 0, 1
-        for axis in self.axes:
-            rank += coords.get(axis, 0) * stride
-            stride *= self.sizes[axis]
-        return rank
-
     def group_ranks(self, *axes: str) -> np.ndarray:
         """Return the global ranks of every group along ``axes`` (see :func:`group_ranks`)."""
         return group_ranks(self.sizes, self.order, *axes)

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from pympar import manager
+
 WORLD = MPI.COMM_WORLD
 # The verdict exchange has a communicator of its own, so it can never be matched
 # with a collective that a failing test left half-done on other ranks.
@@ -25,6 +27,14 @@ VERDICT = WORLD.Dup()
 SYNC_TIMEOUT = float(os.environ.get("PYMPAR_TEST_SYNC_TIMEOUT", "180"))
 
 _FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+def clean_state():
+    """No current parallel state when the test starts, and none left when it ends."""
+    manager.destroy_parallel()
+    yield
+    manager.destroy_parallel()
 
 
 @pytest.hookimpl(trylast=True)

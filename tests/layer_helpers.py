@@ -43,11 +43,18 @@ def rng_array(seed: int, shape, dtype, xp=np):
     return data if xp is np else xp.asarray(data)
 
 
+def owned(n: int, parts: int, index: int, stride: int = 1) -> np.ndarray:
+    """Indices rank ``index`` of ``parts`` holds of an axis of ``n`` items, from NumPy itself:
+    ``numpy.array_split`` into ``stride`` fused parts, then each part over the ranks."""
+    fused = np.array_split(np.arange(n), stride)
+    return np.concatenate([np.array_split(part, parts)[index] for part in fused])
+
+
 def block(n: int, parts: int, index: int) -> slice:
-    """numpy.array_split's block ``index`` of ``n`` items in ``parts``."""
-    q, r = divmod(n, parts)
-    start = index * q + min(index, r)
-    return slice(start, start + q + (index < r))
+    """numpy.array_split's block ``index`` of ``n`` items in ``parts``, as a slice."""
+    sizes = [len(b) for b in np.array_split(np.arange(n), parts)]
+    start = sum(sizes[:index])
+    return slice(start, start + sizes[index])
 
 
 def numeric_grad(f, a, eps=1e-6):

@@ -15,10 +15,9 @@ from pympar.modules import (
     init_weight_block,
     initialize_affine_weight,
     normal,
-    partition_indices,
-    partition_slices,
     xavier_uniform,
 )
+from layer_helpers import owned
 
 
 def _returning_init(rng, out, fan_in, fan_out):
@@ -28,18 +27,6 @@ def _returning_init(rng, out, fan_in, fan_out):
 
 METHODS = ["xavier_uniform", "xavier_normal", "kaiming_uniform", "normal", "zeros",
            normal(0.3, mean=1.0), _returning_init]
-
-
-def test_partition_slices_balanced_and_strided():
-    assert partition_slices(10, 3, 0) == [slice(0, 4)]
-    assert partition_slices(10, 3, 1) == [slice(4, 7)]
-    assert partition_slices(10, 3, 2) == [slice(7, 10)]
-    # stride 2: parts [0:5] [5:10], each split over 2 ranks as 3 + 2.
-    assert partition_slices(10, 2, 0, stride=2) == [slice(0, 3), slice(5, 8)]
-    assert partition_slices(10, 2, 1, stride=2) == [slice(3, 5), slice(8, 10)]
-    # Every index is owned exactly once.
-    owned = np.concatenate([partition_indices(23, 4, r, stride=3) for r in range(4)])
-    assert np.array_equal(np.sort(owned), np.arange(23))
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m if isinstance(m, str) else "callable")
@@ -54,7 +41,7 @@ def test_shards_reassemble_bitwise(method, partition_dim, stride):
         for rank in range(tp):
             shard = initialize_affine_weight(shape, tp, partition_dim, method, np.float32,
                                              rank=rank, seed=7, stride=stride)
-            idx = partition_indices(shape[partition_dim], tp, rank, stride)
+            idx = owned(shape[partition_dim], tp, rank, stride)
             if partition_dim == 0:
                 rebuilt[idx, :] = shard
             else:
@@ -96,7 +83,7 @@ def test_bias_init_shards_and_bounds():
     for stride in (1, 2):
         rebuilt = np.empty_like(full)
         for rank in range(3):
-            rebuilt[partition_indices(11, 3, rank, stride)] = bias_init(
+            rebuilt[owned(11, 3, rank, stride)] = bias_init(
                 11, 16, 3, np.float64, rank=rank, seed=5, stride=stride)
         assert rebuilt.tobytes() == full.tobytes()
 

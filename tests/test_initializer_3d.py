@@ -7,7 +7,7 @@ from pympar import manager
 from pympar.initializer_3d import (Initializer_3D, Initializer_3D_Input, Initializer_3D_Output,
                                    Initializer_3D_Weight, ParallelMode, cube_depth)
 
-# DESIGN.md §2, d=2 on 8 ranks
+# The documented worked example: d=2 on 8 ranks
 EXPECTED_D2 = {
     ParallelMode.PARALLEL_3D_INPUT: [[0, 2], [4, 6], [1, 3], [5, 7]],
     ParallelMode.PARALLEL_3D_WEIGHT: [[0, 1], [2, 3], [4, 5], [6, 7]],

@@ -6,19 +6,16 @@ import pytest
 from layer_helpers import DTYPES, XPS, get_xp, rng_array, tolerance
 from mpi_helpers import WORLD, assert_close, assert_equal, raises_everywhere
 from pympar import manager
-from pympar.modules import LayerNorm, LayerNorm3D, Linear, Linear3D, layout_3d
+from pympar.modules import GELU, LayerNorm, LayerNorm3D, Linear, Linear3D, layout_3d
 
 ROWS, IN, MID, OUT = 9, 5, 7, 6  # nothing divides evenly at d=2
 
 
 @pytest.fixture
-def cube():
-    manager.destroy_parallel()
+def cube(clean_state):
     if WORLD.size % 8:
         pytest.skip("3D layers here use a depth-2 cube (multiples of 8 ranks)")
     manager.initialize_parallel(8, tensor_parallel_mode="3d")
-    yield
-    manager.destroy_parallel()
 
 
 @pytest.mark.mpi(min_size=8)
@@ -37,8 +34,7 @@ def test_two_linear3d_layers_alternate_layouts(cube, xp_name, dtype):
 
     fc1 = Linear3D(IN, MID, dtype=dtype, seed=4, xp=xp)
     fc2 = Linear3D(MID, OUT, swap=True, dtype=dtype, seed=5, xp=xp)
-    rows, cols = fc1.layout.weight_block(MID, IN)
-    assert_equal(fc1.weight.data, ref1.weight.data[rows, cols], "fc1 weight block")
+    assert_equal(fc1.weight.data, fc1.weight.placement.take(ref1.weight.data), "fc1 weight block")
     h = fc1.forward(fc1.layout.split_input(x))
     assert_close(h, fc1.layout.split_output(h_ref), **tol, what="fc1 output block")
     assert_close(h, fc2.layout.split_input(h_ref), **tol, what="fc2 input layout = fc1 output")
@@ -69,27 +65,31 @@ def test_layernorm3d(cube, swap, xp_name):
 
     norm = LayerNorm3D(hidden, swap=swap, dtype=dtype, xp=xp)
     layout = norm.layout
-    _, cols = layout.input_block(ROWS, hidden)
+    # NumPy's own split of the hidden axis over the output group, not pympar's rule.
+    cols = np.array_split(np.arange(hidden), layout.depth)[layout.output.rank]
     norm.weight.data[...] = ref.weight.data[cols]
     norm.bias.data[...] = ref.bias.data[cols]
     y = norm.forward(layout.split_input(x))
     assert_close(y, layout.split_input(y_ref), what="LayerNorm3D forward")
+    assert_close(layout.gather_input(y), y_ref, what="LayerNorm3D gathered forward")
     dx = norm.backward(layout.split_input(dy))
     assert_close(dx, layout.split_input(dx_ref), what="LayerNorm3D dx")
+    assert_close(layout.gather_input(dx), dx_ref, what="LayerNorm3D gathered dx")
     assert_close(norm.weight.grad, ref.weight.grad[cols], what="dgamma")
     assert_close(norm.bias.grad, ref.bias.grad[cols], what="dbeta")
+    # Gathered over the output group, the parameter gradients are the serial ones.
+    assert_close(layout.output.all_gather(norm.weight.grad, axis=0), ref.weight.grad,
+                 what="gathered dgamma")
+    assert_close(layout.output.all_gather(norm.bias.grad, axis=0), ref.bias.grad,
+                 what="gathered dbeta")
 
 
 @pytest.mark.mpi(min_size=1)
-def test_3d_layers_need_a_3d_state():
-    manager.destroy_parallel()
+def test_3d_layers_need_a_3d_state(clean_state):
     raises_everywhere(RuntimeError, "Linear3D needs a 3D parallel state", Linear3D, 8, 8)
     manager.initialize_parallel()
-    try:
-        raises_everywhere(RuntimeError, "LayerNorm3D needs a 3D parallel state.*tensor_parallel_mode",
-                          LayerNorm3D, 8)
-    finally:
-        manager.destroy_parallel()
+    raises_everywhere(RuntimeError, "LayerNorm3D needs a 3D parallel state.*tensor_parallel_mode",
+                      LayerNorm3D, 8)
 
 
 @pytest.mark.mpi(min_size=8)
@@ -101,4 +101,29 @@ def test_linear3d_bad_input(cube):
                       layer.backward, np.zeros((2, 4)))
     raises_everywhere(ValueError, "full weight must have shape", layer.load_full_weight,
                       np.zeros((4, 4)))
-    assert layout_3d().depth == 2
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("between", ["nothing", "GELU"])
+def test_consecutive_linear3d_with_the_same_layout_raise(cube, between):
+    """Issue: a second Linear3D lacking swap=True gave a wrong answer with no error. Here
+    the local shapes fit (8 features split 4 + 4 both ways), only the layout differs."""
+    fc1 = Linear3D(8, 8, dtype=np.float64, seed=1)
+    fc2 = Linear3D(8, 8, dtype=np.float64, seed=2)  # should be swap=True
+    act = GELU()
+    x = fc1.layout.split_input(rng_array(1, (ROWS, 8), np.float64))
+    h = fc1.forward(x)
+    h = act.forward(h) if between == "GELU" else h
+    raises_everywhere(ValueError, r"Linear3D.*layout.*swap=True", fc2.forward, h)
+    norm = LayerNorm3D(8, dtype=np.float64)  # the layout of fc1's input, not its output
+    raises_everywhere(ValueError, r"LayerNorm3D.*layout.*swap=", norm.forward, h)
+    # The right layout works and keeps its tag through the element-wise layer.
+    good = Linear3D(8, 8, swap=True, dtype=np.float64, seed=2)
+    y = good.forward(h)
+    assert_close(good.layout.gather_output(y),
+                 Linear(8, 8, dtype=np.float64, seed=2).forward(good.layout.gather_input(h)),
+                 what="swap=True after swap=False")
+    # A gradient block in the wrong layout is refused too.
+    raises_everywhere(ValueError, r"output gradient block is in the layout", good.backward,
+                      good.layout.split_input(rng_array(3, (ROWS, 8), np.float64)))
+    assert_equal(layout_3d(swap=True).key, good.layout.key, "layout_3d(swap=True) key")

@@ -1,22 +1,20 @@
 """DP/CP/TP groups on real MPI ranks: worked examples, other layouts, bad input."""
 
+import typing
+
 import pytest
 from mpi4py import MPI
 
 from mpi_helpers import WORLD, agree, raises_everywhere
 from pympar import manager
+from pympar.group import Group
 from pympar.mesh import group_ranks
 
 AXES = ("tensor", "context", "data", "data_context")
 MESH_AXES = {"tensor": ("tp",), "context": ("cp",), "data": ("dp",), "data_context": ("dp", "cp")}
 KEYS = {"tensor": "tp", "context": "cp", "data": "dp", "data_context": "dp-cp"}
 
-
-@pytest.fixture(autouse=True)
-def clean_state():
-    manager.destroy_parallel()
-    yield
-    manager.destroy_parallel()
+pytestmark = pytest.mark.usefixtures("clean_state")
 
 
 def getters(axis):
@@ -53,8 +51,8 @@ def test_design_worked_example():
     }
     for axis, table in expected.items():
         row = [r for r in table if WORLD.rank in r][0]
-        name = manager.__dict__[f"get_{axis}_parallel_group_name"]()
-        local = manager.__dict__[f"get_{axis}_parallel_rank"]()
+        name = getattr(manager, f"get_{axis}_parallel_group_name")()
+        local = getattr(manager, f"get_{axis}_parallel_rank")()
         agree(name == KEYS[axis] + "-" + "-".join(map(str, row)) and local == row.index(WORLD.rank),
               f"{axis}: {name} local {local}, expected {row}")
     check_layout(2, 2, "tp-cp-dp")
@@ -142,3 +140,30 @@ def test_initialize_twice_raises():
     manager.initialize_parallel()
     raises_everywhere(RuntimeError, "already initialized", manager.initialize_parallel)
     agree(manager.get_data_parallel_world_size() == WORLD.size, "first state was damaged")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_getters_are_typed():
+    """Each of the 16 getters declares what it returns (no Callable[[], object])."""
+    expected = {"group": Group, "group_name": str, "rank": int, "world_size": int}
+    for axis in AXES:
+        for view, kind in expected.items():
+            getter = getattr(manager, f"get_{axis}_parallel_{view}")
+            agree(typing.get_type_hints(getter)["return"] is kind, f"{getter.__name__}")
+    manager.initialize_parallel()
+    for axis in AXES:
+        for view, kind in expected.items():
+            value = getattr(manager, f"get_{axis}_parallel_{view}")()
+            agree(isinstance(value, kind), f"{axis} {view}: {value!r}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resolve_group():
+    raises_everywhere(RuntimeError, "MyLayer needs a context-parallel group.*group=",
+                      manager.resolve_group, None, "MyLayer", "context")
+    state = manager.initialize_parallel()
+    agree(manager.resolve_group(None, "L") is state.tensor
+          and manager.resolve_group(None, "L", "data_context") is state.data_context
+          and manager.resolve_group(state.data, "L") is state.data, "resolved groups")
+    raises_everywhere(ValueError, "unknown group axis 'pipeline'", manager.resolve_group,
+                      None, "L", "pipeline")

@@ -238,6 +238,15 @@ def test_state_dict_round_trip_and_errors():
         b.load_state_dict(dict(sd, extra=np.zeros(1)))
     missing, unexpected = b.load_state_dict(dict(partial, extra=np.zeros(1)), strict=False)
     assert missing == ["scale"] and unexpected == ["extra"]
+    with pytest.raises(TypeError, match="Block.load_state_dict: expected a mapping.*got list"):
+        b.load_state_dict(list(sd.values()))
+    with pytest.raises(TypeError, match=r"key 'fc1.bias' \(Linear\) holds a list, not an array"):
+        b.load_state_dict(dict(sd, **{"fc1.bias": [0.0, 0.0, 0.0]}))
+    before = b.fc1.weight.data.copy()
+    with pytest.raises(ValueError, match="'inner.1.weight'"):
+        b.load_state_dict(dict(sd, **{"fc1.weight": sd["fc1.weight"] + 1,
+                                      "inner.1.weight": np.zeros((3, 3), np.float32)}))
+    assert np.array_equal(b.fc1.weight.data, before), "nothing is modified on error"
 
 
 def test_dropout_determinism_eval_and_mask():
@@ -259,11 +268,10 @@ def test_dropout_determinism_eval_and_mask():
 
 
 def test_gelu_blocks_match_closed_form():
-    """GELU runs NumPy arrays in cache-sized blocks; block edges must not show."""
-    from pympar.modules.activations import _GELU_BLOCK
-
+    """GELU runs large NumPy arrays in cache-sized blocks; block edges must not show."""
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((3, _GELU_BLOCK + 7)) * 3
+    # 2**17 + 7 elements: several blocks of any cache-sized length, and a ragged end.
+    x = rng.standard_normal((3, (1 << 17) // 3 + 7)) * 3
     dy = rng.standard_normal(x.shape)
     k, c = math.sqrt(2 / math.pi), 0.044715
     tanh = np.tanh(k * (x + c * x * x * x))

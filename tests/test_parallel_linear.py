@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from layer_helpers import DTYPES, XPS, block, get_xp, rng_array, tolerance
-from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere
+from mpi_helpers import WORLD, assert_close, assert_equal, raises_everywhere
 from pympar import manager
 from pympar.modules import GELU, ColumnParallelLinear, Linear, RowParallelLinear
 
@@ -15,13 +15,6 @@ S, B, IN, OUT = 7, 2, 5, 7  # uneven for every TP size tested
 
 def tp_sizes():
     return [tp for tp in (1, 2, 4) if WORLD.size % tp == 0]
-
-
-@pytest.fixture
-def parallel(request):
-    manager.destroy_parallel()
-    yield
-    manager.destroy_parallel()
 
 
 def serial_reference(dtype, xp, seed=3):
@@ -36,7 +29,7 @@ def serial_reference(dtype, xp, seed=3):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("xp_name", XPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_column_parallel(parallel, xp_name, dtype):
+def test_column_parallel(clean_state, xp_name, dtype):
     xp = get_xp(xp_name)
     x, dy, y_ref, dx_ref, dw_ref, db_ref, ref = serial_reference(dtype, xp)
     tol = tolerance(dtype)
@@ -68,7 +61,7 @@ def test_column_parallel(parallel, xp_name, dtype):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("xp_name", XPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_parallel(parallel, xp_name, dtype):
+def test_row_parallel(clean_state, xp_name, dtype):
     xp = get_xp(xp_name)
     x, dy, y_ref, dx_ref, dw_ref, db_ref, ref = serial_reference(dtype, xp)
     tol = tolerance(dtype)
@@ -100,7 +93,7 @@ def test_row_parallel(parallel, xp_name, dtype):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence-parallel"])
-def test_column_gelu_row_mlp(parallel, sp):
+def test_column_gelu_row_mlp(clean_state, sp):
     dtype, hidden, ffn = np.float64, 6, 10
     x = rng_array(20, (S, B, hidden), dtype)
     dy = rng_array(21, (S, B, hidden), dtype)
@@ -130,7 +123,7 @@ def test_column_gelu_row_mlp(parallel, sp):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_bad_input_names_the_layer(parallel):
+def test_bad_input_names_the_layer(clean_state):
     raises_everywhere(RuntimeError, "ColumnParallelLinear needs a tensor-parallel group",
                       ColumnParallelLinear, 4, 4)
     raises_everywhere(RuntimeError, "RowParallelLinear needs a tensor-parallel group",
@@ -148,4 +141,3 @@ def test_bad_input_names_the_layer(parallel):
     row = RowParallelLinear(8, 4, input_is_parallel=False, dtype=np.float64)
     raises_everywhere(ValueError, r"RowParallelLinear.*\(\.\.\., 8\)", row.forward, np.zeros((2, 4)))
     raises_everywhere(ValueError, "stride=3", ColumnParallelLinear, 4, 12, stride=3)
-    agree(True)

@@ -1,21 +1,18 @@
 """Layers with hand-written backward, parameters and deterministic sharded initialization."""
 
 from .core import Module, Parameter, Sequential
-from .init import (
+from .init_methods import (
     InitMethod,
-    bias_init,
     get_init_method,
-    init_weight_block,
-    initialize_affine_weight,
     kaiming_uniform,
     normal,
-    partition_indices,
-    partition_slices,
     uniform,
     xavier_normal,
     xavier_uniform,
     zeros,
 )
+from .philox import init_weight_block
+from .sharded_init import bias_init, init_bias, init_shard, initialize_affine_weight
 from .linear import Linear
 from .activations import GELU, Dropout, ReLU
 from .normalization import LayerNorm
@@ -52,8 +49,8 @@ __all__ = [
     "initialize_affine_weight",
     "init_weight_block",
     "bias_init",
-    "partition_slices",
-    "partition_indices",
+    "init_shard",
+    "init_bias",
     "get_init_method",
     "xavier_uniform",
     "xavier_normal",

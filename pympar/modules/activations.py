@@ -1,7 +1,7 @@
 """Element-wise activations and dropout with hand-written backward.
 
 The GELU here is written with in-place ``out=`` ufuncs because element-wise NumPy dominates
-its cost: a naive ``x**3`` form was measured 20x slower in float32 (DESIGN.md section 6).
+its cost: a naive ``x**3`` form was measured 20x slower in float32.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from typing import Any
 
 import numpy
 
+from ..backend import array_module
 from .core import Module
+from .layout_tags import carry
+from .philox import DROPOUT_STREAM
 
 __all__ = ["GELU", "ReLU", "Dropout"]
 
@@ -41,8 +44,6 @@ class GELU(Module):
         self._spare = None
 
     def _buffer(self, like: Any) -> Any:
-        from pympar.backend import array_module
-
         spare, self._spare = self._spare, None
         if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
             if type(spare) is type(like):
@@ -79,8 +80,6 @@ class GELU(Module):
 
     def forward(self, x: Any) -> Any:
         """Apply GELU element-wise."""
-        from pympar.backend import array_module
-
         xp = array_module(x)
         t = self._buffer(x)
         y = xp.empty_like(x)
@@ -93,7 +92,7 @@ class GELU(Module):
         else:
             self._forward_into(xp, x, t, y)
         self.save_for_backward(x, t)
-        return y
+        return carry(x, y)
 
     def backward(self, dy: Any) -> Any:
         """Return ``dy * gelu'(x)``.
@@ -101,8 +100,6 @@ class GELU(Module):
         ``gelu'(x) = 0.5 (1 + T) [1 + k x (1 + 3c x^2) (1 - T)]`` with ``T`` the cached tanh,
         an arrangement that needs no scratch beyond ``dx`` and the cached ``T``.
         """
-        from pympar.backend import array_module
-
         x, t = self.saved_tensors()
         xp = array_module(x)
         dx = xp.empty_like(x)
@@ -115,7 +112,7 @@ class GELU(Module):
         else:
             self._backward_into(xp, x, t, dy, dx)
         self._spare = t
-        return dx
+        return carry(dy, dx)
 
 
 class ReLU(Module):
@@ -123,19 +120,15 @@ class ReLU(Module):
 
     def forward(self, x: Any) -> Any:
         """Apply ReLU element-wise."""
-        from pympar.backend import array_module
-
         xp = array_module(x)
         mask = x > 0
         self.save_for_backward(mask)
-        return xp.multiply(x, mask)
+        return carry(x, xp.multiply(x, mask))
 
     def backward(self, dy: Any) -> Any:
         """Return ``dy`` masked by ``x > 0``."""
-        from pympar.backend import array_module
-
         (mask,) = self.saved_tensors()
-        return array_module(dy).multiply(dy, mask)
+        return carry(dy, array_module(dy).multiply(dy, mask))
 
 
 class Dropout(Module):
@@ -178,10 +171,6 @@ class Dropout(Module):
         return f"p={self.p}, seed={self.seed}, rank={self.rank}"
 
     def _mask(self, x: Any) -> Any:
-        from pympar.backend import array_module
-
-        from .init import DROPOUT_STREAM
-
         counter = [0, self.calls, self.rank, DROPOUT_STREAM]
         bitgen = numpy.random.Philox(key=self.seed, counter=counter)
         self.calls += 1
@@ -200,9 +189,9 @@ class Dropout(Module):
             return x
         mask = self._mask(x)
         self.save_for_backward(mask)
-        return x * mask
+        return carry(x, x * mask)
 
     def backward(self, dy: Any) -> Any:
         """Apply the forward's mask (and scale) to ``dy``."""
         (mask,) = self.saved_tensors()
-        return dy if mask is None else dy * mask
+        return dy if mask is None else carry(dy, dy * mask)

@@ -10,9 +10,56 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
+import numpy
+
+from ..backend import array_module
 from ..partition import Placement
 
-__all__ = ["Parameter", "Module", "Sequential"]
+__all__ = ["Parameter", "Module", "Sequential", "check_array"]
+
+
+def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, *, what: str = "input",
+                shape: tuple[int, ...] | None = None, min_ndim: int = 1) -> None:
+    """Raise naming ``layer`` unless ``x`` is an array of ``dtype`` with the expected shape.
+
+    The one input/shape check of the layers. No silent casts: a cast would copy every
+    activation.
+
+    Parameters
+    ----------
+    layer : object
+        The layer, shown by its ``repr`` in the message.
+    x : array
+        The array to check.
+    last_dim : int or None
+        Required size of the last axis (``None``: any).
+    dtype : dtype
+        Required dtype.
+    what : str, default "input"
+        What ``x`` is, for the message (e.g. ``"output gradient"``).
+    shape : tuple of int, optional
+        The exact shape required (then ``last_dim`` is not used).
+    min_ndim : int, default 1
+        Fewest axes accepted.
+
+    Raises
+    ------
+    TypeError
+        When ``x`` is not an array.
+    ValueError
+        On a wrong shape or dtype.
+    """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{layer!r}: expected an array as {what}, got {type(x).__name__}")
+    if shape is not None:
+        ok, want = tuple(x.shape) == tuple(shape), str(tuple(shape))
+    else:
+        ok = x.ndim >= min_ndim and (last_dim is None or x.shape[-1] == last_dim)
+        want = "(" + ", ".join(["rows"] * (min_ndim - 1) + ["...", str(last_dim)]) + ")"
+    if not ok or x.dtype != dtype:
+        raise ValueError(f"{layer!r}: expected {what} of shape {want} and dtype "
+                         f"{numpy.dtype(dtype).name}, got shape {tuple(x.shape)} and dtype "
+                         f"{x.dtype}")
 
 
 class Parameter:
@@ -24,16 +71,11 @@ class Parameter:
         The value, a NumPy or CuPy array. Stored as given, not copied.
     name : str, optional
         A human-readable name, used in error messages.
-    partition_dim : int, optional
-        The axis along which this array is a shard of a larger logical parameter, or ``None``
-        when it is replicated (or serial).
-    partition_stride : int, default 1
-        How many strided chunks of the partition axis each rank holds (fused weights).
-    group : Group, optional
-        The pympar group whose ranks together hold the full logical parameter.
     placement : Placement, optional
-        Where ``data`` sits in the full (serial-layout) parameter; default: replicated, the
-        full shape being ``data.shape``.
+        Where ``data`` sits in the full (serial-layout) parameter: the full shape and the
+        splits (group, axis, stride) that cut this rank's block from it, so that
+        ``placement.take(full)`` is ``data``. Default: replicated, the full shape being
+        ``data.shape``.
     requires_grad : bool, default True
         False freezes the parameter: no gradient is computed or accumulated for it.
 
@@ -51,24 +93,12 @@ class Parameter:
         data: Any,
         *,
         name: str | None = None,
-        partition_dim: int | None = None,
-        partition_stride: int = 1,
-        group: Any = None,
         placement: Placement | None = None,
         requires_grad: bool = True,
     ) -> None:
-        if partition_stride < 1:
-            raise ValueError(f"Parameter: partition_stride must be >= 1, got {partition_stride}")
-        if partition_dim is not None and not -data.ndim <= partition_dim < data.ndim:
-            raise ValueError(
-                f"Parameter: partition_dim {partition_dim} out of range for shape {data.shape}"
-            )
         self.data = data
         self.grad = None
         self.name = name
-        self.partition_dim = partition_dim
-        self.partition_stride = int(partition_stride)
-        self.group = group
         self.placement = Placement(tuple(data.shape)) if placement is None else placement
         if self.placement.local_shape != tuple(data.shape):
             raise ValueError(f"Parameter {name or ''}: placement {self.placement} describes a "
@@ -117,8 +147,6 @@ class Parameter:
             if consume and g.dtype == self.data.dtype and _same_module(g, self.data):
                 self.grad = g
             else:
-                from pympar.backend import array_module
-
                 # empty_like + assignment keeps data's dtype and array module.
                 grad = array_module(self.data).empty_like(self.data)
                 grad[...] = g
@@ -141,9 +169,7 @@ class Parameter:
             self.grad.fill(0)
 
     def __repr__(self) -> str:
-        extra = ""
-        if self.partition_dim is not None:
-            extra = f", partition_dim={self.partition_dim}, stride={self.partition_stride}"
+        extra = "" if self.placement.replicated else f", full_shape={self.placement.shape}"
         label = f"{self.name!r}, " if self.name else ""
         return f"Parameter({label}shape={self.shape}, dtype={self.dtype}{extra})"
 
@@ -165,7 +191,14 @@ class Module:
     ----------
     training : bool
         Training mode flag, toggled by :meth:`train` and :meth:`eval`.
+    input_grad : bool
+        Whether :meth:`backward` computes the input gradient (class default True). A layer
+        built with ``input_grad=False`` computes neither that gradient nor the collective
+        that reduces it, and its ``backward`` returns None: the first layer of a model,
+        whose input is data.
     """
+
+    input_grad: bool = True
 
     def __init__(self) -> None:
         if "_parameters" in self.__dict__:
@@ -210,7 +243,8 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__}.forward is not implemented")
 
     def backward(self, dy: Any) -> Any:
-        """Return the input gradient and accumulate parameter gradients."""
+        """Return the input gradient (None when ``input_grad`` is False) and accumulate the
+        gradients of parameters that require one."""
         raise NotImplementedError(f"{type(self).__name__}.backward is not implemented")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -266,8 +300,17 @@ class Module:
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """Yield ``(dotted_name, parameter)``, e.g. ``("fc1.weight", p)``.
 
-        Order: each module's own parameters in assignment order, then its submodules
-        recursively. A parameter shared by several modules is yielded once.
+        The names are stable: they depend only on the attribute names the modules were
+        assigned to (``Sequential`` children are ``"0"``, ``"1"``, ...), not on the layout,
+        so a serial and a parallel model built alike give the same names. Checkpoints and
+        :meth:`state_dict` key on them. Order: each module's own parameters in assignment
+        order, then its submodules recursively. A parameter shared by several modules is
+        yielded once, under its first name.
+
+        Parameters
+        ----------
+        prefix : str, default ""
+            Prepended (with a dot) to every name.
         """
         seen: set[int] = set()
         for mod_name, mod in self.named_modules(prefix):
@@ -285,6 +328,17 @@ class Module:
         """Reset every parameter gradient; see :meth:`Parameter.zero_grad`."""
         for p in self.parameters():
             p.zero_grad(set_to_none)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        """Set ``requires_grad`` on every parameter (False freezes them); return self.
+
+        A frozen parameter gets no gradient: layers skip computing and accumulating it, and
+        the optimizers and the data-parallel gradient all-reduce skip it. Checkpoints still
+        save it.
+        """
+        for p in self.parameters():
+            p.requires_grad = bool(requires_grad)
+        return self
 
     def train(self, mode: bool = True) -> "Module":
         """Set the training flag on this module and all descendants; return self."""
@@ -319,16 +373,21 @@ class Module:
 
         Raises
         ------
+        TypeError
+            When ``state_dict`` is not a mapping or a value is not an array (naming its key).
         ValueError
-            On a shape or dtype mismatch (always), or missing/unexpected keys when ``strict``.
-            Nothing is modified when an error is raised.
+            On a shape or dtype mismatch (always, naming the key), or missing/unexpected keys
+            when ``strict``. Nothing is modified when an error is raised.
         """
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{where}: expected a mapping of parameter names to arrays "
+                            f"(as state_dict() returns), got {type(state_dict).__name__}")
         owners = {}
         for mod_name, mod in self.named_modules():
             for pname in mod._registries()[0]:
                 owners[f"{mod_name}.{pname}" if mod_name else pname] = type(mod).__name__
         named = OrderedDict(self.named_parameters())
-        where = f"{type(self).__name__}.load_state_dict"
         missing = [k for k in named if k not in state_dict]
         unexpected = [k for k in state_dict if k not in named]
         if strict and (missing or unexpected):
@@ -338,6 +397,9 @@ class Module:
                 continue
             value = state_dict[key]
             owner = owners.get(key, type(self).__name__)
+            if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+                raise TypeError(f"{where}: key {key!r} ({owner}) holds a {type(value).__name__}, "
+                                "not an array")
             if tuple(value.shape) != p.shape:
                 raise ValueError(
                     f"{where}: key {key!r} ({owner}) has shape {tuple(value.shape)}, "
@@ -381,14 +443,33 @@ class Sequential(Module):
     ----------
     *modules : Module
         The layers, registered as submodules named ``"0"``, ``"1"``, ...
+    input_grad : bool, default True
+        False sets ``input_grad=False`` on the first layer (recursively into a first child
+        that is itself a container): ``backward`` then computes no input gradient and
+        returns None. True leaves the layers as they were built.
     """
 
-    def __init__(self, *modules: Module) -> None:
+    def __init__(self, *modules: Module, input_grad: bool = True) -> None:
         super().__init__()
         for i, mod in enumerate(modules):
             if not isinstance(mod, Module):
                 raise TypeError(f"Sequential: argument {i} is {type(mod).__name__}, not a Module")
             setattr(self, str(i), mod)
+        if not input_grad:
+            self.input_grad = False
+
+    @property  # type: ignore[override]
+    def input_grad(self) -> bool:
+        """bool: Whether the first layer computes the input gradient (setting it sets it
+        there, recursively)."""
+        first = next(iter(self._modules.values()), None)
+        return True if first is None else bool(first.input_grad)
+
+    @input_grad.setter
+    def input_grad(self, value: bool) -> None:
+        first = next(iter(self._modules.values()), None)
+        if first is not None:
+            first.input_grad = bool(value)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -406,7 +487,8 @@ class Sequential(Module):
         return x
 
     def backward(self, dy: Any) -> Any:
-        """Back-propagate through every layer in reverse order."""
+        """Back-propagate through every layer in reverse order; None when the first layer
+        computes no input gradient."""
         for mod in reversed(self._modules.values()):
             dy = mod.backward(dy)
         return dy

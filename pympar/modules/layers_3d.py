@@ -18,6 +18,11 @@ sub-block splits its block again.) The output layout is the input layout with
 the input and output groups exchanged, so consecutive layers alternate
 ``swap=False`` / ``swap=True``: a property of each layer, not a global switch.
 Every rank holds ``1/d**3`` of each weight and ``1/d**3`` of each activation.
+
+The layout is checked: the 3D layers tag the blocks they return with their layout (see
+:mod:`pympar.modules.layout_tags`; element-wise layers keep the tag), and a layer given a
+block tagged with another layout raises ``ValueError`` naming ``swap=``, on every rank,
+instead of computing a wrong answer.
 """
 
 from __future__ import annotations
@@ -27,21 +32,18 @@ from typing import Any, Union
 
 import numpy
 
+from .. import manager
 from ..backend import array_module
-from ..collectives import balanced_sizes, block_slice
 from ..group import Group
 from ..initializer_3d import ParallelMode
-from .core import Module, Parameter
-from .init import BIAS_STREAM, InitMethod, get_init_method, init_weight_block, uniform
+from ..partition import Placement, Split
+from .core import Module, Parameter, check_array
+from .init_methods import InitMethod
+from .layout_tags import tag, tag_of
+from .normalization import layer_norm_backward, layer_norm_forward, local_row_sums
+from .sharded_init import init_bias, init_shard
 
-__all__ = ["Layout3D", "layout_3d", "Linear3D", "LayerNorm3D", "block_slice", "nested_slice"]
-
-
-def nested_slice(n: int, parts: int, outer: int, inner: int) -> slice:
-    """Sub-block ``inner`` of block ``outer``: both levels split ``parts`` ways."""
-    block = block_slice(n, parts, outer)
-    sub = block_slice(block.stop - block.start, parts, inner)
-    return slice(block.start + sub.start, block.start + sub.stop)
+__all__ = ["Layout3D", "layout_3d", "Linear3D", "LayerNorm3D"]
 
 
 @dataclass(frozen=True)
@@ -63,44 +65,59 @@ class Layout3D:
         """Cube depth ``d``."""
         return self.weight.size
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """The names of the three groups: equal keys mean the same activation layout."""
+        return (self.input.name, self.weight.name, self.output.name)
+
     def swapped(self) -> "Layout3D":
         """The layout of the next layer: input and output groups exchanged."""
         return Layout3D(self.output, self.weight, self.input)
 
-    def input_block(self, rows: int, cols: int) -> tuple[slice, slice]:
-        """This rank's ``(row, column)`` slices of a full ``(rows, cols)`` input."""
-        d = self.depth
-        return (nested_slice(rows, d, self.weight.rank, self.input.rank),
-                block_slice(cols, d, self.output.rank))
+    def input_placement(self, shape: tuple[int, ...]) -> Placement:
+        """Where this rank's block of a full input ``(rows, ..., cols)`` sits.
 
-    def output_block(self, rows: int, cols: int) -> tuple[slice, slice]:
-        """This rank's slices of a full ``(rows, cols)`` output."""
-        return self.swapped().input_block(rows, cols)
+        Rows: block ``w``, sub-block ``a``; columns: block ``c``.
+        """
+        return Placement(tuple(shape), (Split.over(self.weight, 0), Split.over(self.input, 0),
+                                        Split.over(self.output, len(shape) - 1)))
 
-    def weight_block(self, out_features: int, in_features: int) -> tuple[slice, slice]:
-        """This rank's slices of a full ``(out_features, in_features)`` weight."""
-        d = self.depth
-        return (nested_slice(out_features, d, self.input.rank, self.weight.rank),
-                block_slice(in_features, d, self.output.rank))
+    def weight_placement(self, out_features: int, in_features: int) -> Placement:
+        """Where this rank's block of a full ``(out_features, in_features)`` weight sits.
+
+        Rows: block ``a``, sub-block ``w``; columns: block ``c``.
+        """
+        return Placement((out_features, in_features), (Split.over(self.input, 0),
+                                                        Split.over(self.weight, 0),
+                                                        Split.over(self.output, 1)))
 
     def split_input(self, x_full: Any) -> Any:
-        """Return this rank's block of a full input ``(rows, ..., cols)`` (a copy)."""
-        r, c = self.input_block(x_full.shape[0], x_full.shape[-1])
-        return x_full[r, ..., c].copy()
+        """Return this rank's block of a full input ``(rows, ..., cols)`` (a copy, tagged)."""
+        return tag(self.input_placement(x_full.shape).take(x_full), self.key)
 
     def gather_input(self, x_local: Any) -> Any:
         """All-gather an input-layout array into the full array on every rank."""
+        self.check(x_local, "gather_input")
         rows = self.input.all_gather(x_local, axis=0)
         rows = self.weight.all_gather(rows, axis=0)
         return self.output.all_gather(rows, axis=-1)
 
     def split_output(self, y_full: Any) -> Any:
-        """Return this rank's block of a full output (a copy)."""
+        """Return this rank's block of a full output (a copy, tagged)."""
         return self.swapped().split_input(y_full)
 
     def gather_output(self, y_local: Any) -> Any:
         """All-gather an output-layout array into the full array on every rank."""
         return self.swapped().gather_input(y_local)
+
+    def check(self, block: Any, who: str, what: str = "input") -> None:
+        """Raise ``ValueError`` when ``block`` is tagged with another layout than this one."""
+        key = tag_of(block)
+        if key is not None and key != self.key:
+            raise ValueError(
+                f"{who}: its {what} block is in the layout of the other 3D layer kind (input "
+                f"and output groups exchanged): a 3D layer taking the output of a swap=False "
+                f"layer needs swap=True, and vice versa")
 
 
 def layout_3d(swap: bool = False, layer: str = "3D layer") -> Layout3D:
@@ -118,8 +135,6 @@ def layout_3d(swap: bool = False, layer: str = "3D layer") -> Layout3D:
     RuntimeError
         When no parallel state exists or it is not in 3D mode.
     """
-    from .. import manager
-
     try:
         groups = [manager.get_3d_group(m) for m in (ParallelMode.PARALLEL_3D_INPUT,
                                                     ParallelMode.PARALLEL_3D_WEIGHT,
@@ -128,12 +143,6 @@ def layout_3d(swap: bool = False, layer: str = "3D layer") -> Layout3D:
         raise RuntimeError(f"{layer} needs a 3D parallel state: {err}") from None
     layout = Layout3D(*groups)
     return layout.swapped() if swap else layout
-
-
-def _check_local(layer: Module, x: Any, cols: int, dtype: Any) -> None:
-    if x.ndim < 2 or x.shape[-1] != cols or x.dtype != dtype:
-        raise ValueError(f"{layer!r}: expected a local input block of shape (rows, ..., {cols}) "
-                         f"and dtype {numpy.dtype(dtype).name}, got {tuple(x.shape)} {x.dtype}")
 
 
 class Linear3D(Module):
@@ -153,54 +162,60 @@ class Linear3D(Module):
         block ``a``, replicated over the output group.
     swap : bool
         Exchange input and output groups: use ``True`` for a layer that takes
-        the output of a ``swap=False`` layer, and vice versa.
+        the output of a ``swap=False`` layer, and vice versa. A block in the
+        other layout raises ``ValueError`` (see the module docstring).
     init_method : str or callable
         As :func:`~pympar.modules.initialize_affine_weight`; the same seed
         gives the same full weight as a serial :class:`~pympar.modules.Linear`.
     dtype : dtype
+        Parameter and input dtype.
     seed : int
+        Init seed.
     layout : Layout3D, optional
         Groups to use; by default those of the current 3D parallel state.
     xp : module, optional
         ``numpy`` or ``cupy``.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient (nor its reduce-scatter) and returns
+        None.
 
     Attributes
     ----------
     weight : Parameter
-        Local block of the ``(out_features, in_features)`` weight.
+        Local block of the ``(out_features, in_features)`` weight; its ``placement`` is
+        :meth:`Layout3D.weight_placement`.
     bias : Parameter or None
+        Local block of the ``(out_features,)`` bias (the weight's row block).
     layout : Layout3D
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, swap: bool = False,
                  init_method: Union[str, InitMethod] = "kaiming_uniform",
                  dtype: Any = numpy.float32, seed: int = 0, layout: Layout3D | None = None,
-                 xp: Any = None) -> None:
+                 xp: Any = None, input_grad: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.dtype = numpy.dtype(dtype)
+        self.input_grad = bool(input_grad)
         self.layout = layout if layout is not None else layout_3d(swap, "Linear3D")
         d = self.layout.depth
         if min(self.in_features, self.out_features) < d * d:
             raise ValueError(f"Linear3D: features ({self.in_features}, {self.out_features}) "
                              f"must be at least depth**2 = {d * d}")
-        rows, cols = self.layout.weight_block(self.out_features, self.in_features)
+        placement = self.layout.weight_placement(self.out_features, self.in_features)
+        self.weight = Parameter(init_shard(placement, init_method, self.dtype, seed=seed, xp=xp),
+                                placement=placement)
         # Rows of the weight (and bias) block each weight-group rank holds: known, so the
         # gathers over the weight group skip their exchange of sizes.
-        block_rows = block_slice(self.out_features, d, self.layout.input.rank)
-        self._gathered_rows = balanced_sizes(block_rows.stop - block_rows.start, d)
-        weight = init_weight_block((self.out_features, self.in_features), [rows], [cols],
-                                   get_init_method(init_method), self.dtype, seed=seed, xp=xp)
-        self.weight = Parameter(weight, group=self.layout.weight)
+        block = Placement((self.out_features,), placement.splits[:1])
+        self._gathered_rows = tuple(block.then(Split(0, d, w)).local_shape[0] for w in range(d))
+        self.bias = None
         if bias:
-            bound = 1.0 / numpy.sqrt(self.in_features)
-            # Same stream as pympar.modules.bias_init, so the full bias equals Linear's.
-            b = init_weight_block((1, self.out_features), [slice(0, 1)], [rows],
-                                  uniform(-bound, bound), self.dtype, seed=seed, xp=xp,
-                                  stream=BIAS_STREAM)[0]
-            self.bias = Parameter(b, group=self.layout.weight)
-        else:
-            self.bias = None
+            placement = Placement((self.out_features,), placement.splits[:2])
+            # Same stream and bound as Linear's bias, so the full bias equals Linear's.
+            self.bias = Parameter(init_bias("uniform", placement, self.in_features, self.dtype,
+                                            seed=seed, xp=xp, layer="Linear3D"),
+                                  placement=placement)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -212,10 +227,9 @@ class Linear3D(Module):
         expected = (self.out_features, self.in_features)
         if tuple(weight.shape) != expected:
             raise ValueError(f"{self!r}: full weight must have shape {expected}, got {weight.shape}")
-        rows, cols = self.layout.weight_block(*expected)
-        self.weight.data[...] = weight[rows, cols]
+        self.weight.data[...] = self.weight.placement.take(weight)
         if bias is not None and self.bias is not None:
-            self.bias.data[...] = bias[rows]
+            self.bias.data[...] = self.bias.placement.take(bias)
 
     def _gather_full(self, weight: Any, bias: Any) -> tuple[Any, Any]:
         layout = self.layout
@@ -234,10 +248,13 @@ class Linear3D(Module):
         return self._gather_full(self.weight.grad, None if self.bias is None else self.bias.grad)
 
     def forward(self, x: Any) -> Any:
-        """Return the output block for the input block ``x`` (input layout)."""
+        """Return the output block (output layout) for the input block ``x`` (input layout)."""
         layout = self.layout
         in_local = self.weight.data.shape[1]
-        _check_local(self, x, in_local, self.dtype)
+        # The layout first: a block in the wrong layout may also have the wrong shape on
+        # some ranks, and every rank should give the same reason.
+        layout.check(x, repr(self))
+        check_array(self, x, in_local, self.dtype, what="local input block", min_ndim=2)
         xp = array_module(x)
         x_rows = layout.input.all_gather(x, axis=0)
         w_rows = layout.weight.all_gather(self.weight.data, axis=0, sizes=self._gathered_rows)
@@ -246,102 +263,117 @@ class Linear3D(Module):
         y = layout.output.reduce_scatter(partial, axis=0)
         if self.bias is not None:
             y += layout.weight.all_gather(self.bias.data, axis=0, sizes=self._gathered_rows)
-        self.save_for_backward(x2d, x_rows.shape, w_rows, y.shape)
-        return y
+        # Keep only what the requested gradients need.
+        self.save_for_backward(x2d if self.weight.requires_grad else None, x_rows.shape,
+                               w_rows if self.input_grad else None, y.shape)
+        return tag(y, layout.swapped().key)
 
     def backward(self, dy: Any) -> Any:
-        """Return the input-gradient block; accumulate weight and bias gradients."""
+        """Return the input-gradient block (None with ``input_grad=False``); accumulate the
+        gradients of unfrozen weight and bias."""
         x2d, x_rows_shape, w_rows, y_shape = self.saved_tensors()
-        if tuple(dy.shape) != tuple(y_shape) or dy.dtype != self.dtype:
-            raise ValueError(f"{self!r}: expected output gradient of shape {tuple(y_shape)} and "
-                             f"dtype {self.dtype.name}, got {tuple(dy.shape)} {dy.dtype}")
         layout = self.layout
-        dy_rows = layout.output.all_gather(dy, axis=0).reshape(-1, w_rows.shape[0])
-        dx_rows = (dy_rows @ w_rows).reshape(x_rows_shape)
-        self.weight.accumulate_grad(layout.weight.reduce_scatter(dy_rows.T @ x2d, axis=0),
-                                    consume=True)
-        if self.bias is not None:
+        layout.swapped().check(dy, repr(self), "output gradient")
+        check_array(self, dy, None, self.dtype, what="output gradient block", shape=y_shape)
+        bias_grad = self.bias is not None and self.bias.requires_grad
+        if not (self.input_grad or self.weight.requires_grad or bias_grad):
+            return None
+        if (self.input_grad and w_rows is None) or (self.weight.requires_grad and x2d is None):
+            raise RuntimeError(f"{self!r}: input_grad or requires_grad changed between forward "
+                               "and backward")
+        rows_out = sum(self._gathered_rows)
+        dy_rows = layout.output.all_gather(dy, axis=0).reshape(-1, rows_out)
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(layout.weight.reduce_scatter(dy_rows.T @ x2d, axis=0),
+                                        consume=True)
+        if bias_grad:
             # dy_rows already holds the output group's rows: its column sums are that sum.
             db = dy_rows.sum(axis=0)
             self.bias.accumulate_grad(layout.weight.reduce_scatter(db, axis=0), consume=True)
-        return layout.input.reduce_scatter(dx_rows, axis=0)
+        if not self.input_grad:
+            return None
+        dx_rows = (dy_rows @ w_rows).reshape(x_rows_shape)
+        return tag(layout.input.reduce_scatter(dx_rows, axis=0), layout.key)
 
 
 class LayerNorm3D(Module):
     """Layer normalization over the hidden axis of a 3D input-layout activation.
 
-    The hidden axis is split over the output group, so the row statistics are
-    all-reduced over it; ``gamma`` and ``beta`` hold hidden block ``c`` and
-    their gradients are summed over the ranks that share it (weight x input
-    groups, the ranks holding other rows).
+    The math is :class:`~pympar.modules.LayerNorm`'s (the shared
+    :func:`~pympar.modules.normalization.layer_norm_forward` and ``layer_norm_backward``);
+    the hidden axis is split over the output group, so the row sums are all-reduced over
+    it. ``gamma`` and ``beta`` hold hidden block ``c`` and their gradients are summed over
+    the ranks that share it (weight x input groups, the ranks holding other rows).
 
     Parameters
     ----------
     hidden : int
         Full hidden size.
     eps : float
+        Added to the biased variance.
     swap : bool
         Use the layout of a :class:`Linear3D` input with the same ``swap``.
     dtype : dtype
+        Parameter and input dtype.
     layout : Layout3D, optional
+        Groups to use; by default those of the current 3D parallel state.
     xp : module, optional
+        ``numpy`` or ``cupy``.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient (nor its all-reduce) and returns None.
 
     Attributes
     ----------
     weight, bias : Parameter
-        ``gamma`` and ``beta``, hidden block ``c``.
+        ``gamma`` and ``beta``, hidden block ``c`` (placement split over the output group).
     """
 
     def __init__(self, hidden: int, eps: float = 1e-5, swap: bool = False,
-                 dtype: Any = numpy.float32, layout: Layout3D | None = None, xp: Any = None) -> None:
+                 dtype: Any = numpy.float32, layout: Layout3D | None = None, xp: Any = None,
+                 input_grad: bool = True) -> None:
         super().__init__()
         self.hidden, self.eps, self.dtype = int(hidden), float(eps), numpy.dtype(dtype)
+        self.input_grad = bool(input_grad)
         self.layout = layout if layout is not None else layout_3d(swap, "LayerNorm3D")
-        cols = block_slice(self.hidden, self.layout.depth, self.layout.output.rank)
+        placement = Placement((self.hidden,), (Split.over(self.layout.output, 0),))
         xp = numpy if xp is None else xp
-        width = cols.stop - cols.start
-        self.weight = Parameter(xp.ones(width, dtype=self.dtype), group=self.layout.output)
-        self.bias = Parameter(xp.zeros(width, dtype=self.dtype), group=self.layout.output)
+        width = placement.local_shape[0]
+        self.weight = Parameter(xp.ones(width, dtype=self.dtype), placement=placement)
+        self.bias = Parameter(xp.zeros(width, dtype=self.dtype), placement=placement)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, depth={self.layout.depth}, eps={self.eps}"
 
-    def _row_sum(self, *arrays: Any) -> Any:
-        """Sum each array over the full (distributed) hidden axis in one all-reduce."""
-        xp = array_module(arrays[0])
-        local = xp.stack([a.sum(axis=-1) for a in arrays])
-        return self.layout.output.all_reduce(local)
-
-    def _shared_grad(self, *arrays: Any) -> Any:
-        """Sum row-reduced parameter gradients over the ranks holding other rows."""
-        xp = array_module(arrays[0])
-        local = xp.stack([a.reshape(-1, a.shape[-1]).sum(axis=0) for a in arrays])
-        return self.layout.weight.all_reduce(self.layout.input.all_reduce(local))
+    def _row_sums(self, *terms: Any) -> list[Any]:
+        """Row sums over the full (distributed) hidden axis, all terms in one all-reduce."""
+        local = local_row_sums(*terms)
+        return list(self.layout.output.all_reduce(array_module(local[0]).stack(local)))
 
     def forward(self, x: Any) -> Any:
-        """Normalize each row of the input block ``x``."""
-        _check_local(self, x, self.weight.data.shape[0], self.dtype)
-        (mean,) = self._row_sum(x) / self.hidden
-        centered = x - mean[..., None]
-        (var,) = self._row_sum(centered * centered) / self.hidden
-        rstd = 1.0 / array_module(x).sqrt(var + self.eps)
-        xhat = centered
-        xhat *= rstd[..., None]
+        """Normalize each row of the input block ``x`` (same layout out)."""
+        self.layout.check(x, repr(self))
+        check_array(self, x, self.weight.data.shape[0], self.dtype, what="local input block",
+                    min_ndim=2)
+        y, xhat, rstd = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps,
+                                           self.hidden, self._row_sums)
         self.save_for_backward(xhat, rstd)
-        return xhat * self.weight.data + self.bias.data
+        return tag(y, self.layout.key)
 
     def backward(self, dy: Any) -> Any:
-        """Return the input-gradient block; accumulate ``gamma`` and ``beta`` gradients."""
+        """Return the input-gradient block (None with ``input_grad=False``); accumulate the
+        gradients of unfrozen ``gamma`` and ``beta``."""
         xhat, rstd = self.saved_tensors()
-        if tuple(dy.shape) != tuple(xhat.shape):
-            raise ValueError(f"{self!r}: expected output gradient of shape {xhat.shape}, "
-                             f"got {tuple(dy.shape)}")
-        dgamma, dbeta = self._shared_grad(dy * xhat, dy)
-        self.weight.accumulate_grad(dgamma, consume=True)
-        self.bias.accumulate_grad(dbeta, consume=True)
-        g = dy * self.weight.data
-        mean_g, mean_gx = self._row_sum(g, g * xhat) / self.hidden
-        g -= mean_g[..., None]
-        g -= xhat * mean_gx[..., None]
-        g *= rstd[..., None]
-        return g
+        self.layout.check(dy, repr(self), "output gradient")
+        check_array(self, dy, None, self.dtype, what="output gradient block", shape=xhat.shape)
+        trained = [p for p in (self.weight, self.bias) if p.requires_grad]
+        dx, dgamma, dbeta = layer_norm_backward(dy, xhat, rstd, self.weight.data, self.hidden,
+                                                self._row_sums, param_grads=bool(trained),
+                                                input_grad=self.input_grad)
+        if trained:
+            xp = array_module(dy)
+            shared = xp.stack([dgamma, dbeta])
+            shared = self.layout.weight.all_reduce(self.layout.input.all_reduce(shared))
+            for p, g in zip((self.weight, self.bias), shared):
+                if p.requires_grad:
+                    p.accumulate_grad(g)
+        return None if dx is None else tag(dx, self.layout.key)

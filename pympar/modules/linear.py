@@ -7,31 +7,13 @@ from typing import Any, Union
 
 import numpy
 
-from .core import Module, Parameter
-from .init import InitMethod, bias_init, initialize_affine_weight
+from ..backend import array_module
+from ..partition import Placement
+from .core import Module, Parameter, check_array
+from .init_methods import InitMethod
+from .sharded_init import init_bias, init_shard
 
-__all__ = ["Linear", "check_input"]
-
-
-def check_input(layer: Module, x: Any, last_dim: int, dtype: Any) -> None:
-    """Raise ``ValueError`` naming ``layer`` unless ``x`` is ``(..., last_dim)`` of ``dtype``.
-
-    Parameters
-    ----------
-    layer : Module
-        The layer, shown by its ``repr`` in the message.
-    x : array
-        The input to check.
-    last_dim : int
-        Required size of the last axis.
-    dtype : dtype
-        Required dtype (no silent casts: a cast would copy every activation).
-    """
-    if x.ndim < 1 or x.shape[-1] != last_dim or x.dtype != dtype:
-        raise ValueError(
-            f"{layer!r}: expected input of shape (..., {last_dim}) and dtype "
-            f"{numpy.dtype(dtype).name}, got shape {tuple(x.shape)} and dtype {x.dtype}"
-        )
+__all__ = ["Linear"]
 
 
 class Linear(Module):
@@ -44,7 +26,7 @@ class Linear(Module):
     bias : bool, default True
         Whether to add a learnable bias.
     init_method : str or InitMethod, default "kaiming_uniform"
-        Weight init (see :mod:`pympar.modules.init`); the default matches ``torch.nn.Linear``
+        Weight init (see :mod:`pympar.modules.init_methods`); the default matches ``torch.nn.Linear``
         (bound ``1/sqrt(in_features)``). The bias always uses the ``torch.nn.Linear`` default.
     dtype : dtype, default numpy.float32
         Parameter dtype; inputs must have it too.
@@ -52,6 +34,9 @@ class Linear(Module):
         Init seed. Layers with the same seed and shape start identical: give each layer its own.
     xp : module, optional
         ``numpy`` (default) or ``cupy``.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient and returns None (a first layer,
+        whose input is data).
 
     Attributes
     ----------
@@ -70,19 +55,21 @@ class Linear(Module):
         dtype: Any = numpy.float32,
         seed: int = 0,
         xp: ModuleType | None = None,
+        input_grad: bool = True,
     ) -> None:
         super().__init__()
+        self.input_grad = bool(input_grad)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.dtype = numpy.dtype(dtype)
-        w = initialize_affine_weight(
-            (self.out_features, self.in_features), 1, 0, init_method, dtype,
-            rank=0, seed=seed, xp=xp,
-        )
-        self.weight = Parameter(w)
+        placement = Placement((self.out_features, self.in_features))
+        self.weight = Parameter(init_shard(placement, init_method, dtype, seed=seed, xp=xp),
+                                placement=placement)
         if bias:
-            b = bias_init(self.out_features, self.in_features, 1, dtype, rank=0, seed=seed, xp=xp)
-            self.bias = Parameter(b)
+            placement = Placement((self.out_features,))
+            self.bias = Parameter(init_bias("uniform", placement, self.in_features, dtype,
+                                            seed=seed, xp=xp, layer="Linear"),
+                                  placement=placement)
         else:
             self.bias = None
 
@@ -95,9 +82,7 @@ class Linear(Module):
 
     def forward(self, x: Any) -> Any:
         """Return ``x @ W.T + b`` for ``x`` of shape ``(..., in_features)``."""
-        from pympar.backend import array_module
-
-        check_input(self, x, self.in_features, self.dtype)
+        check_array(self, x, self.in_features, self.dtype)
         xp = array_module(x)
         x2d = x.reshape(-1, self.in_features)
         y2d = xp.empty((x2d.shape[0], self.out_features), dtype=self.dtype)
@@ -108,13 +93,16 @@ class Linear(Module):
         return y2d.reshape(*x.shape[:-1], self.out_features)
 
     def backward(self, dy: Any) -> Any:
-        """Return ``dy @ W``; accumulate ``dW += dy.T @ x`` and ``db += sum(dy)``."""
+        """Return ``dy @ W`` (None with ``input_grad=False``); accumulate ``dW += dy.T @ x``
+        and ``db += sum(dy)`` for the parameters that are not frozen."""
         x2d, x_shape = self.saved_tensors()
-        expected = (*x_shape[:-1], self.out_features)
-        if tuple(dy.shape) != expected:
-            raise ValueError(f"{self!r}: expected dy of shape {expected}, got {tuple(dy.shape)}")
+        check_array(self, dy, None, self.dtype, what="output gradient",
+                    shape=(*x_shape[:-1], self.out_features))
         dy2d = dy.reshape(-1, self.out_features)
-        self.weight.accumulate_grad(dy2d.T @ x2d, consume=True)
-        if self.bias is not None:
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(dy2d.T @ x2d, consume=True)
+        if self.bias is not None and self.bias.requires_grad:
             self.bias.accumulate_grad(dy2d.sum(axis=0), consume=True)
+        if not self.input_grad:
+            return None
         return (dy2d @ self.weight.data).reshape(x_shape)

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy
 
+from ..backend import array_module
 from .core import Module
 
 __all__ = ["SoftmaxCrossEntropy", "MSELoss"]
@@ -33,8 +34,6 @@ class SoftmaxCrossEntropy(Module):
         ValueError
             For mismatched shapes, non-integer targets or targets out of range.
         """
-        from pympar.backend import array_module
-
         xp = array_module(logits)
         if logits.ndim < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
             raise ValueError(

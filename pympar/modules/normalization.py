@@ -1,16 +1,105 @@
-"""Layer normalization over the last axis with hand-written backward."""
+"""Layer normalization over the last axis with hand-written backward.
+
+The math is written once, in :func:`layer_norm_forward` and :func:`layer_norm_backward`,
+over a *row-sum* function: the serial :class:`LayerNorm` sums each row locally, the 3D
+:class:`~pympar.modules.LayerNorm3D` sums its hidden block and all-reduces the sums.
+"""
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy
 
-from .core import Module, Parameter
-from .linear import check_input
+from ..backend import array_module
+from ..partition import Placement
+from .core import Module, Parameter, check_array
 
-__all__ = ["LayerNorm"]
+__all__ = ["LayerNorm", "RowSums", "local_row_sums", "layer_norm_forward", "layer_norm_backward"]
+
+RowSums = Callable[..., Sequence[Any]]
+"""``row_sums(*terms) -> sums``: per term, the sum over the full hidden axis of each row,
+shaped ``(..., 1)``. A term is an array ``a`` (sum of ``a``) or a pair ``(a, b)`` (sum of
+``a * b``)."""
+
+
+def local_row_sums(*terms: Any) -> list[Any]:
+    """The :data:`RowSums` of arrays that hold whole rows."""
+    sums = []
+    for term in terms:
+        if isinstance(term, tuple):
+            a, b = term
+            # einsum reduces the product without materializing a * b.
+            s = array_module(a).einsum("...j,...j->...", a, b)[..., None]
+        else:
+            s = term.sum(axis=-1, keepdims=True)
+        sums.append(s)
+    return sums
+
+
+def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float, hidden: int,
+                       row_sums: RowSums) -> tuple[Any, Any, Any]:
+    """Return ``y, xhat, rstd``: the normalized, scaled output and what backward needs.
+
+    Parameters
+    ----------
+    x : array
+        ``(..., h)`` where ``h`` is this rank's part of the hidden axis (all of it serially).
+    weight, bias : array or None
+        ``(h,)`` gamma and beta, or None for no affine transform.
+    eps : float
+        Added to the biased variance.
+    hidden : int
+        The full hidden size (the divisor of the means).
+    row_sums : RowSums
+        Sums over the full hidden axis.
+    """
+    xp = array_module(x)
+    # C order lets every later reshape to (rows, h) be a view.
+    x = xp.ascontiguousarray(x)
+    (mean,) = row_sums(x)
+    mean /= hidden
+    xhat = x - mean
+    (rstd,) = row_sums((xhat, xhat))
+    rstd /= hidden
+    rstd += eps
+    xp.sqrt(rstd, out=rstd)
+    xp.reciprocal(rstd, out=rstd)
+    xhat *= rstd
+    if weight is None:
+        return xhat.copy(), xhat, rstd
+    y = xp.multiply(xhat, weight)
+    y += bias
+    return y, xhat, rstd
+
+
+def layer_norm_backward(dy: Any, xhat: Any, rstd: Any, weight: Any, hidden: int,
+                        row_sums: RowSums, *, param_grads: bool = True,
+                        input_grad: bool = True) -> tuple[Any, Any, Any]:
+    """Return ``dx, dgamma_local, dbeta_local`` (each None when not asked for).
+
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy * weight``; the
+    parameter gradients are this rank's row sums (a layer sharing parameters over other rows
+    reduces them). The cached ``xhat`` is used as scratch: call once per forward.
+    """
+    xp = array_module(dy)
+    dy = xp.ascontiguousarray(dy)
+    dgamma = dbeta = dx = None
+    if param_grads and weight is not None:
+        rows = dy.reshape(-1, dy.shape[-1])
+        dgamma = xp.einsum("ij,ij->j", rows, xhat.reshape(rows.shape))
+        dbeta = rows.sum(axis=0)
+    if input_grad:
+        dx = dy.copy() if weight is None else xp.multiply(dy, weight)
+        mean_g, mean_gx = row_sums(dx, (dx, xhat))
+        mean_g /= hidden
+        mean_gx /= hidden
+        dx -= mean_g
+        xhat *= mean_gx
+        dx -= xhat
+        dx *= rstd
+    return dx, dgamma, dbeta
 
 
 class LayerNorm(Module):
@@ -28,6 +117,8 @@ class LayerNorm(Module):
         Parameter dtype; inputs must have it too.
     xp : module, optional
         ``numpy`` (default) or ``cupy``.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient and returns None (a first layer).
     """
 
     def __init__(
@@ -37,6 +128,7 @@ class LayerNorm(Module):
         elementwise_affine: bool = True,
         dtype: Any = numpy.float32,
         xp: ModuleType | None = None,
+        input_grad: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(normalized_shape, int):
@@ -49,9 +141,11 @@ class LayerNorm(Module):
         self.hidden = int(normalized_shape)
         self.eps = float(eps)
         self.dtype = numpy.dtype(dtype)
+        self.input_grad = bool(input_grad)
         if elementwise_affine:
-            self.weight = Parameter(xp.ones(self.hidden, dtype=dtype))
-            self.bias = Parameter(xp.zeros(self.hidden, dtype=dtype))
+            placement = Placement((self.hidden,))
+            self.weight = Parameter(xp.ones(self.hidden, dtype=dtype), placement=placement)
+            self.bias = Parameter(xp.zeros(self.hidden, dtype=dtype), placement=placement)
         else:
             self.weight = None
             self.bias = None
@@ -62,52 +156,28 @@ class LayerNorm(Module):
 
     def forward(self, x: Any) -> Any:
         """Normalize ``x`` of shape ``(..., hidden)``."""
-        from pympar.backend import array_module
-
-        check_input(self, x, self.hidden, self.dtype)
-        xp = array_module(x)
-        # C order lets every later reshape to (rows, hidden) be a view.
-        x = xp.ascontiguousarray(x)
-        xhat = x - x.mean(axis=-1, keepdims=True)
-        # The output buffer doubles as scratch for the squared deviations.
-        y = xp.multiply(xhat, xhat)
-        rstd = y.mean(axis=-1, keepdims=True)
-        rstd += self.eps
-        xp.sqrt(rstd, out=rstd)
-        xp.reciprocal(rstd, out=rstd)
-        xhat *= rstd
-        if self.weight is None:
-            y[...] = xhat
-        else:
-            xp.multiply(xhat, self.weight.data, out=y)
-            y += self.bias.data
+        check_array(self, x, self.hidden, self.dtype)
+        weight = None if self.weight is None else self.weight.data
+        bias = None if self.bias is None else self.bias.data
+        y, xhat, rstd = layer_norm_forward(x, weight, bias, self.eps, self.hidden,
+                                           local_row_sums)
         self.save_for_backward(xhat, rstd)
         return y
 
     def backward(self, dy: Any) -> Any:
-        """Return ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy * weight``."""
-        from pympar.backend import array_module
-
+        """Return the input gradient (None with ``input_grad=False``); accumulate the
+        gradients of unfrozen ``weight`` and ``bias``."""
         xhat, rstd = self.saved_tensors()
-        if dy.shape != xhat.shape:
-            raise ValueError(f"{self!r}: expected dy of shape {xhat.shape}, got {dy.shape}")
-        xp = array_module(dy)
-        dy = xp.ascontiguousarray(dy)
-        dy2d = dy.reshape(-1, self.hidden)
-        xhat2d = xhat.reshape(-1, self.hidden)
-        if self.weight is not None:
-            # einsum reduces the product without materializing dy * xhat.
-            self.weight.accumulate_grad(xp.einsum("ij,ij->j", dy2d, xhat2d), consume=True)
-            self.bias.accumulate_grad(dy2d.sum(axis=0), consume=True)
-            g = xp.multiply(dy, self.weight.data)
-        else:
-            g = dy.copy()
-        g2d = g.reshape(-1, self.hidden)
-        mean_gx = xp.einsum("ij,ij->i", g2d, xhat2d)[:, None]
-        mean_gx /= self.hidden
-        g2d -= g2d.mean(axis=-1, keepdims=True)
-        # The cached xhat is not needed after this backward, so it becomes scratch.
-        xhat2d *= mean_gx
-        g2d -= xhat2d
-        g2d *= rstd.reshape(-1, 1)
-        return g
+        check_array(self, dy, None, self.dtype, what="output gradient", shape=xhat.shape)
+        weight = None if self.weight is None else self.weight.data
+        dx, dgamma, dbeta = layer_norm_backward(
+            dy, xhat, rstd, weight, self.hidden, local_row_sums,
+            param_grads=self.weight is not None and (self.weight.requires_grad
+                                                     or self.bias.requires_grad),
+            input_grad=self.input_grad)
+        if dgamma is not None:
+            if self.weight.requires_grad:
+                self.weight.accumulate_grad(dgamma, consume=True)
+            if self.bias.requires_grad:
+                self.bias.accumulate_grad(dbeta, consume=True)
+        return dx

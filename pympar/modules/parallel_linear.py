@@ -17,49 +17,14 @@ import numpy
 from .. import mappings
 from ..backend import array_module
 from ..group import Group
-from .core import Module, Parameter
-from .init import InitMethod, bias_init as torch_bias_init, initialize_affine_weight, partition_slices
-from .linear import check_input
+from ..manager import resolve_group
+from ..partition import Placement, Split
+from .core import Module, Parameter, check_array
+from .init_methods import InitMethod
+from .sharded_init import init_bias, init_shard
 
+# resolve_group lives in pympar.manager; this alias keeps the old import working.
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_group"]
-
-
-def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Group:
-    """Return ``group``, or this rank's current group of ``axis`` when it is None.
-
-    Parameters
-    ----------
-    group : Group or None
-    layer : str
-        Named in the error message.
-    axis : {"tensor", "context", "data", "data_context"}
-        Which group of the current parallel state to use.
-
-    Raises
-    ------
-    RuntimeError
-        Naming ``layer`` when no group is given and no parallel state exists.
-    """
-    if group is not None:
-        return group
-    from .. import manager
-
-    if not manager.is_initialized():
-        kind = {"tensor": "tensor-parallel", "context": "context-parallel"}.get(axis, axis)
-        raise RuntimeError(f"{layer} needs a {kind} group: call "
-                           "pympar.manager.initialize_parallel() first or pass group=")
-    return getattr(manager.get_parallel_state(), axis)
-
-
-def _make_bias(kind: str, num_features: int, fan_in: int, tp: int, rank: int, dtype: Any,
-               seed: int, stride: int, layer: str) -> Any:
-    if kind == "uniform":
-        return torch_bias_init(num_features, fan_in, tp, dtype, rank=rank, seed=seed, stride=stride)
-    if kind == "zeros":
-        width = sum(s.stop - s.start for s in partition_slices(num_features, tp, rank, stride))
-        return numpy.zeros(width, dtype=dtype)
-    raise ValueError(f"{layer}: bias_init must be 'uniform' (torch nn.Linear) or 'zeros', "
-                     f"not {kind!r}")
 
 
 def _matmul_into(xp: Any, a2d: Any, b: Any, rows: int, cols: int, dtype: Any) -> Any:
@@ -72,7 +37,9 @@ class _TensorParallelLinear(Module):
     """Shared parts: group, shapes, input checks and the local affine math."""
 
     def _setup(self, in_features: int, out_features: int, group: Group | None,
-               dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool) -> None:
+               dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool,
+               input_grad: bool) -> None:
+        self.input_grad = bool(input_grad)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.dtype = numpy.dtype(dtype)
@@ -93,26 +60,42 @@ class _TensorParallelLinear(Module):
         return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
 
     def _local_affine_backward(self, dy: Any, x2d: Any, x_shape: tuple) -> Any:
-        """Accumulate ``dW`` from the local output gradient and return ``dy @ W_local``."""
+        """Accumulate ``dW`` (unless frozen) from the local output gradient and return
+        ``dy @ W_local`` (None with ``input_grad=False``)."""
         xp = array_module(dy)
         w = self.weight.data
         dy2d = dy.reshape(-1, w.shape[0])
-        self.weight.accumulate_grad(
-            _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(
+                _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
+        if not self.input_grad:
+            return None
         return _matmul_into(xp, dy2d, w, dy2d.shape[0], w.shape[1], w.dtype).reshape(
             *x_shape[:-1], w.shape[1])
 
+    def _init_parameters(self, weight_split: Split, bias_split: Split | None, bias: bool,
+                         init_method: Union[str, InitMethod], bias_init: str, seed: int,
+                         xp: Any) -> None:
+        """Create ``weight`` (and ``bias``) as this rank's blocks of the serial layer's."""
+        placement = Placement((self.out_features, self.in_features), (weight_split,))
+        self.weight = Parameter(init_shard(placement, init_method, self.dtype, seed=seed, xp=xp),
+                                placement=placement)
+        self.bias = None
+        if bias:
+            placement = Placement((self.out_features,), () if bias_split is None else (bias_split,))
+            self.bias = Parameter(init_bias(bias_init, placement, self.in_features, self.dtype,
+                                            seed=seed, xp=xp, layer=type(self).__name__),
+                                  placement=placement)
+
     def _check_grad(self, dy: Any, expected: tuple) -> None:
-        if tuple(dy.shape) != tuple(expected) or dy.dtype != self.dtype:
-            raise ValueError(f"{self!r}: expected output gradient of shape {tuple(expected)} "
-                             f"and dtype {self.dtype.name}, got {tuple(dy.shape)} {dy.dtype}")
+        check_array(self, dy, None, self.dtype, what="output gradient", shape=tuple(expected))
 
 
 class ColumnParallelLinear(_TensorParallelLinear):
     """``y = x @ W.T + b`` with the output features split over the TP group.
 
-    Rank ``r`` holds rows ``r`` of the full ``(out_features, in_features)``
-    weight (balanced split, block ``r`` of :func:`~pympar.modules.partition_slices`)
+    Rank ``r`` holds row block ``r`` of the full ``(out_features, in_features)``
+    weight (balanced split, :func:`~pympar.partition.strided_slices`)
     and the matching bias entries.
 
     Parameters
@@ -148,13 +131,17 @@ class ColumnParallelLinear(_TensorParallelLinear):
         rank holds its block of every part. Needs ``gather_output=False``.
     xp : module, optional
         ``numpy`` (default) or ``cupy``: where the parameters live.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient, issues no all-reduce (or, with
+        sequence parallelism, no reduce-scatter) for it, and returns None.
 
     Attributes
     ----------
     weight : Parameter
-        ``(out_local, in_features)``, ``partition_dim=0``.
+        ``(out_local, in_features)``; its ``placement`` splits axis 0 over ``group``
+        (with ``stride``).
     bias : Parameter or None
-        ``(out_local,)``, ``partition_dim=0``.
+        ``(out_local,)``, split like the weight's rows.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -162,30 +149,21 @@ class ColumnParallelLinear(_TensorParallelLinear):
                  skip_bias_add: bool = False, init_method: Union[str, InitMethod] = "kaiming_uniform",
                  bias_init: str = "uniform", dtype: Any = numpy.float32,
                  group: Group | None = None, seed: int = 0, stride: int = 1,
-                 xp: Any = None) -> None:
+                 xp: Any = None, input_grad: bool = True) -> None:
         super().__init__()
-        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
+        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel,
+                    input_grad)
         if stride > 1 and gather_output:
             raise ValueError(f"ColumnParallelLinear: stride={stride} keeps fused parts per rank; "
                              "gathering them would interleave the parts, use gather_output=False")
         self.gather_output = bool(gather_output)
         self.stride = int(stride)
-        tp, rank = self.group.size, self.group.rank
-        weight = initialize_affine_weight((self.out_features, self.in_features), tp, 0, init_method,
-                                          self.dtype, rank=rank, seed=seed, stride=self.stride, xp=xp)
-        self.weight = Parameter(weight, partition_dim=0, partition_stride=self.stride,
-                                group=self.group)
-        if bias:
-            b = _make_bias(bias_init, self.out_features, self.in_features, tp, rank, self.dtype,
-                           seed, self.stride, "ColumnParallelLinear")
-            self.bias = Parameter(b if xp is None else xp.asarray(b), partition_dim=0,
-                                  partition_stride=self.stride, group=self.group)
-        else:
-            self.bias = None
+        split = Split.over(self.group, 0, self.stride)
+        self._init_parameters(split, split, bias, init_method, bias_init, seed, xp)
 
     def forward(self, x: Any) -> Any:
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
-        check_input(self, x, self.in_features, self.dtype)
+        check_array(self, x, self.in_features, self.dtype)
         if self.use_sequence_parallel:
             total = mappings.gather_from_sequence(x, group=self.group)
         else:
@@ -204,7 +182,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         return y, bias
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
-        """Return the input gradient; accumulate weight and bias gradients.
+        """Return the input gradient (None with ``input_grad=False``); accumulate the
+        gradients of the weight and bias unless they are frozen.
 
         Parameters
         ----------
@@ -220,12 +199,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
             dy = mappings.gather_from_hidden.backward(dy, group=self.group)
             if dbias is not None:
                 dbias = mappings.gather_from_hidden.backward(dbias, group=self.group)
-        if self.bias is not None:
+        if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
                 dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
             if dbias is not None:
                 self.bias.accumulate_grad(dbias)
         dtotal = self._local_affine_backward(dy, x2d, total_shape)
+        if dtotal is None:
+            return None
         if self.use_sequence_parallel:
             return mappings.gather_from_sequence.backward(dtotal, group=self.group)
         # dtotal is a fresh array of this layer: sum it in place (MPI_IN_PLACE skips a copy
@@ -259,38 +240,35 @@ class RowParallelLinear(_TensorParallelLinear):
         ``dbias``.
     init_method, bias_init, dtype, group, seed, xp
         As in :class:`ColumnParallelLinear`.
+    input_grad : bool, default True
+        False: ``backward`` computes no input gradient, issues no all-gather for it, and
+        returns None.
 
     Attributes
     ----------
     weight : Parameter
-        ``(out_features, in_local)``, ``partition_dim=1``.
+        ``(out_features, in_local)``; its ``placement`` splits axis 1 over ``group``.
     bias : Parameter or None
-        ``(out_features,)``, replicated on every rank of the group.
+        ``(out_features,)``, replicated on every rank of the group (placement replicated).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = False, use_sequence_parallel: bool = False,
                  skip_bias_add: bool = False, init_method: Union[str, InitMethod] = "kaiming_uniform",
                  bias_init: str = "uniform", dtype: Any = numpy.float32,
-                 group: Group | None = None, seed: int = 0, xp: Any = None) -> None:
+                 group: Group | None = None, seed: int = 0, xp: Any = None,
+                 input_grad: bool = True) -> None:
         super().__init__()
-        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel)
+        self._setup(in_features, out_features, group, dtype, skip_bias_add, use_sequence_parallel,
+                    input_grad)
         self.input_is_parallel = bool(input_is_parallel)
-        tp, rank = self.group.size, self.group.rank
-        weight = initialize_affine_weight((self.out_features, self.in_features), tp, 1, init_method,
-                                          self.dtype, rank=rank, seed=seed, xp=xp)
-        self.weight = Parameter(weight, partition_dim=1, group=self.group)
-        if bias:
-            b = _make_bias(bias_init, self.out_features, self.in_features, 1, 0, self.dtype,
-                           seed, 1, "RowParallelLinear")
-            self.bias = Parameter(b if xp is None else xp.asarray(b))
-        else:
-            self.bias = None
+        self._init_parameters(Split.over(self.group, 1), None, bias, init_method, bias_init,
+                              seed, xp)
 
     def forward(self, x: Any) -> Any:
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
-        check_input(self, x, width, self.dtype)
+        check_array(self, x, width, self.dtype)
         if not self.input_is_parallel:
             x = mappings.scatter_to_hidden(x, group=self.group)
         partial, x2d = self._local_affine(x)
@@ -307,7 +285,8 @@ class RowParallelLinear(_TensorParallelLinear):
         return y
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
-        """Return the input gradient (in the input's layout); accumulate gradients.
+        """Return the input gradient in the input's layout (None with ``input_grad=False``);
+        accumulate the gradients of the weight and bias unless they are frozen.
 
         Parameters
         ----------
@@ -318,7 +297,7 @@ class RowParallelLinear(_TensorParallelLinear):
         """
         x2d, x_shape, y_shape = self.saved_tensors()
         self._check_grad(dy, y_shape)
-        if self.bias is not None:
+        if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
                 dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
             if self.use_sequence_parallel:
@@ -329,12 +308,15 @@ class RowParallelLinear(_TensorParallelLinear):
                 dbias = self.group.all_reduce(dbias)
             if dbias is not None:
                 self.bias.accumulate_grad(dbias)
+        if not (self.input_grad or self.weight.requires_grad):
+            # Neither remaining gradient needs the gathered output gradient.
+            return None
         if self.use_sequence_parallel:
             dpartial = mappings.reduce_scatter_to_sequence.backward(dy, group=self.group,
                                                                     size=x_shape[0])
         else:
             dpartial = mappings.reduce_from_all.backward(dy, group=self.group)
         dx = self._local_affine_backward(dpartial, x2d, x_shape)
-        if self.input_is_parallel:
+        if dx is None or self.input_is_parallel:
             return dx
         return mappings.scatter_to_hidden.backward(dx, group=self.group, size=self.in_features)
