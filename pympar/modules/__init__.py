@@ -22,6 +22,7 @@ from .layers_3d import LayerNorm3D, Layout3D, Linear3D, layout_3d
 from .attention import DistributedAttention, ParallelAttention
 from .blockwise import sequence_segments
 from .context_attention import ContextAttention, split_context_group
+from .recompute import Recompute
 
 __all__ = [
     "Parameter",
@@ -39,6 +40,7 @@ __all__ = [
     "ContextAttention",
     "split_context_group",
     "sequence_segments",
+    "Recompute",
     "GELU",
     "ReLU",
     "Dropout",

@@ -21,10 +21,11 @@ import numpy
 
 from ..backend import array_module
 from ..group import Group
+from ..manager import resolve_group
 from .blockwise import check_key_lengths, key_mask
 from .context_attention import ContextAttention
 from .core import Module
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear, resolve_group
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["attention_forward", "attention_backward", "DistributedAttention", "ParallelAttention"]
 

@@ -28,11 +28,11 @@ from mpi4py import MPI
 from .. import mappings
 from ..backend import array_module
 from ..group import Group
+from ..manager import resolve_group
 from ..partition import balanced_sizes
 from .blockwise import check_key_lengths, sequence_segments
 from .core import Module
 from .linear import Linear
-from .parallel_linear import resolve_group
 from .ring_attention import ring_attention_backward, ring_attention_forward
 
 __all__ = ["ContextAttention", "split_context_group"]

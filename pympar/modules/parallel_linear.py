@@ -23,8 +23,7 @@ from .core import Module, Parameter, check_array
 from .init_methods import InitMethod
 from .sharded_init import init_bias, init_shard
 
-# resolve_group lives in pympar.manager; this alias keeps the old import working.
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_group"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
 def _matmul_into(xp: Any, a2d: Any, b: Any, rows: int, cols: int, dtype: Any) -> Any:
