@@ -8,6 +8,7 @@ The picture tests are pure rank arithmetic and run everywhere.
 
 from __future__ import annotations
 
+from html import escape
 import importlib.util
 import os
 import shutil
@@ -125,6 +126,7 @@ def test_docs_build_without_warnings(tmp_path):
     env = _without_launcher_environment()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("MPLBACKEND", "Agg")
+    env["PYMPAR_DOCS_OFFLINE"] = "1"  # -W must pass without network (intersphinx)
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=BUILD_TIMEOUT)
@@ -138,6 +140,31 @@ def test_docs_build_without_warnings(tmp_path):
         assert name in html, f"api/{page}.html does not mention {name}"
     for picture in ("layout_tp_cp_dp.png", "cube_3d.png", "mappings.png"):
         assert (out / "_images" / picture).is_file(), picture
+    # The tool's output on the pages is what the tool prints today.
+    from pympar.__main__ import reference_text
+
+    cli_page = (out / "cli.html").read_text(encoding="utf-8")
+    for line in reference_text().splitlines():
+        if line.strip().startswith(("--", "usage:")):
+            assert escape(line.split()[0]) in cli_page, line
+    info = (DOCS / "_generated" / "info.txt").read_text(encoding="utf-8")
+    assert "world size" in info and "CUDA-aware MPI    library says" in info, info
+    for page in ("quickstart.html", "cli.html", "installing.html"):
+        assert "CUDA-aware MPI    library says" in (out / page).read_text(encoding="utf-8"), page
+    for page in DOCS.rglob("*.rst"):
+        assert 'pip install "pympar[' not in page.read_text(encoding="utf-8"), \
+            f"{page.name}: pympar is not on the package index; install from the repository"
+
+
+def test_intersphinx_maps_python_numpy_mpi4py_and_never_needs_the_network(monkeypatch):
+    conf = _load(DOCS / "conf.py", "docs_conf")  # module level: settings only, no build
+    monkeypatch.delenv("PYMPAR_DOCS_OFFLINE", raising=False)
+    online = conf.intersphinx_for(lambda url: True)
+    assert set(online) == {"python", "numpy", "mpi4py"}
+    assert all(location is None for _, location in online.values())
+    offline = conf.intersphinx_for(lambda url: False)
+    for name, (url, location) in offline.items():  # only local copies, never a fetch
+        assert location is not None and Path(location).is_file(), name
 
 
 SLURM = ROOT / "examples" / "slurm"
