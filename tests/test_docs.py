@@ -172,7 +172,7 @@ SLURM = ROOT / "examples" / "slurm"
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cluster_scripts_parse_and_mark_every_site_line():
-    for name in ("cpu.sbatch", "gpu.sbatch", "mpirun.sh"):
+    for name in ("cpu.sbatch", "gpu.sbatch", "mpirun.sh", "requeue.sh"):
         script = SLURM / name
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
                                 timeout=60)
@@ -183,6 +183,70 @@ def test_cluster_scripts_parse_and_mark_every_site_line():
             if line.startswith(("#SBATCH --account", "#SBATCH --partition", "module load",
                                 "source ")):
                 assert "# EDIT:" in line, f"{name}: {line!r} lacks an EDIT: mark"
+
+
+@pytest.mark.parametrize("name", ["cpu.sbatch", "gpu.sbatch"])
+def test_batch_scripts_checkpoint_requeue_and_resume(name):
+    text = (SLURM / name).read_text(encoding="utf-8")
+    for piece in ("#SBATCH --signal=B:USR1@", "#SBATCH --requeue", 'cd "$SLURM_SUBMIT_DIR"',
+                  ". examples/slurm/requeue.sh", "run_step ", "examples/burgers.py",
+                  "--checkpoint-dir", "--checkpoint-every", "--resume", "--cpu-bind=cores"):
+        assert piece in text, f"{name} lacks {piece!r}"
+    assert "train.py" not in text and 'cd "$HOME' not in text, name
+    if name == "gpu.sbatch":
+        assert '--gpu-bind="$GPU_BIND"' in text and "GPU_BIND=closest" in text
+
+
+FAKE_SRUN = """#!/bin/bash
+# Fake srun: records its arguments; the training step waits for SIGUSR1, "saves", exits 0.
+echo "$*" >> "$FAKE_LOG"
+if [[ "$*" == *--checkpoint-dir* ]]; then
+  trap 'echo "saved on SIGUSR1" >> "$FAKE_LOG"; exit 0' USR1
+  touch "$FAKE_LOG.started"
+  for i in $(seq 600); do sleep 0.1; done
+  exit 7
+fi
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1 or shutil.which("bash") is None,
+                    reason="runs the batch script once, under bash, with a fake srun "
+                           "(in the single-rank run of the suite)")
+@pytest.mark.parametrize("name", ["cpu.sbatch", "gpu.sbatch"])
+def test_batch_script_forwards_the_signal_and_requeues(tmp_path, name):
+    """The batch shell gets SIGUSR1 (--signal=B:); the step saves and exits 0; requeue."""
+    import signal
+    import time
+
+    submit = tmp_path / "submit"
+    (submit / "examples").mkdir(parents=True)
+    shutil.copytree(SLURM, submit / "examples" / "slurm")
+    (submit / ".venv" / "bin").mkdir(parents=True)
+    (submit / ".venv" / "bin" / "activate").write_text("")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool, body in {"srun": FAKE_SRUN, "module": "#!/bin/bash\nexit 0\n",
+                       "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$FAKE_LOG"\n'}.items():
+        (fake / tool).write_text(body)
+        (fake / tool).chmod(0o755)
+    log = tmp_path / "log"
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(submit),
+           "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "2", "SLURM_GPUS_PER_NODE": "h100:4",
+           "FAKE_LOG": str(log), "HOME": str(tmp_path)}
+    job = subprocess.Popen(["bash", str(SLURM / name)], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = Path(f"{log}.started")
+    deadline = time.monotonic() + 30
+    while not started.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@lead does: the batch shell only
+    output, _ = job.communicate(timeout=30)
+    calls = log.read_text().splitlines()
+    assert job.returncode == 0, (output, calls)
+    assert "saved on SIGUSR1" in calls and calls[-1] == "scontrol requeue 4242", (output, calls)
+    training = [c for c in calls if "--checkpoint-dir" in c]
+    assert len(training) == 1 and "--resume" in training[0], calls
+    assert "forwarding it to the job step" in output, output
 
 
 def test_gpu_check_runs_on_numpy_arrays():
