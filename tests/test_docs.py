@@ -35,6 +35,7 @@ API_PAGES = {
     "collectives": "all_gather",
     "mappings": "all_to_all_from_sequence_to_hidden",
     "debug": "CollectiveMismatchError",
+    "faults": "MUST_AGREE",
     "stats": "Recorder",
     "modules": "ColumnParallelLinear",
     "optim": "allreduce_gradients",
