@@ -265,3 +265,44 @@ def test_select_gpu_reads_the_launchers_local_rank(monkeypatch):
     assert select_gpu.local_rank() == (3, "OMPI_COMM_WORLD_LOCAL_RANK")
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
     assert select_gpu.local_rank() == (0, "SLURM_LOCALID")
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                    reason="draws the plots once, in the single-rank run of the suite")
+def test_benchmark_plots_are_labelled(tmp_path, monkeypatch):
+    """The committed JSON redrawn: a readable ratio panel, legends off the data, named axes."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = _load(ROOT / "benchmarks" / "report.py", "bench_report")
+    for source in (ROOT / "benchmarks" / "results").glob("*.json"):
+        shutil.copy(source, tmp_path / source.name)
+    figures = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        figures[Path(path).name] = fig
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.setattr(plt, "close", lambda fig=None: None)
+    written = report.write_report(tmp_path)
+    assert {"mappings.png", "torch_comm.png", "comm_volume.png"} <= {p.name for p in written}
+    ratio = figures["mappings.png"].axes[2]
+    assert len(ratio.get_lines()) <= 3 and ratio.get_legend() is not None
+    assert "worst:" in " ".join(t.get_text() for t in ratio.texts)
+    torch = figures["torch_comm.png"]
+    assert all(ax.get_legend() is None for ax in torch.axes) and torch.legends, \
+        "torch_comm.png: the legend must sit beside the panels, not on the data"
+    volume = figures["comm_volume.png"].axes[0]
+    ticks = [t.get_text() for t in volume.get_xticklabels()]
+    assert ticks and all(t.startswith("T=") and "H=" in t and "F=" in t and "ranks" in t
+                         for t in ticks), ticks
+    assert "tokens" in volume.get_xlabel() and "bytes" in volume.get_ylabel()
+    for fig in figures.values():
+        for ax in fig.axes:
+            assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axis in {ax.get_title()}"
+        plt.close(fig)
