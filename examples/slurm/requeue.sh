@@ -8,25 +8,31 @@
 # a checkpoint and exits 0. When the step has ended with status 0 after the signal, run_step
 # asks Slurm to requeue the job ("#SBATCH --requeue"); the next run starts with --resume.
 
-# A signal that comes before run_step starts the step is remembered, not fatal to the script.
+# One handler, installed when this file is sourced: a signal that comes before the step has
+# started is remembered (not fatal to the script) and forwarded as soon as the step runs.
 _run_step_signalled=0
-trap '_run_step_signalled=1' USR1
+_run_step_pid=
+_run_step_forward() {
+  _run_step_signalled=1
+  if [[ -n $_run_step_pid ]]; then
+    echo "run_step: SIGUSR1 received, forwarding it to the job step (pid $_run_step_pid)" >&2
+    kill -USR1 "$_run_step_pid" 2>/dev/null || true
+  fi
+}
+trap _run_step_forward USR1
 
 run_step() {
-  local step status
+  local status
   "$@" &
-  step=$!
-  if [[ $_run_step_signalled == 1 ]]; then kill -USR1 "$step" 2>/dev/null || true; fi
-  trap '_run_step_signalled=1
-        echo "run_step: SIGUSR1 received, forwarding it to the job step (pid '"$step"')" >&2
-        kill -USR1 '"$step"' 2>/dev/null || true' USR1
+  _run_step_pid=$!
+  if [[ $_run_step_signalled == 1 ]]; then _run_step_forward; fi
   # wait returns early (status > 128) whenever the trap runs: wait again until the step ends.
   while true; do
     status=0
-    wait "$step" || status=$?
-    kill -0 "$step" 2>/dev/null || break
+    wait "$_run_step_pid" || status=$?
+    kill -0 "$_run_step_pid" 2>/dev/null || break
   done
-  trap - USR1
+  _run_step_pid=
   if [[ $_run_step_signalled == 1 && $status == 0 && -n "${SLURM_JOB_ID:-}" ]]; then
     echo "run_step: the step saved and ended; requeueing job $SLURM_JOB_ID" \
          "(this was restart ${SLURM_RESTART_COUNT:-0})" >&2
