@@ -58,7 +58,8 @@ def _settings() -> dict[str, list[str]]:
     timeout = debug.get_timeout()
     effective = {"PYMPAR_DEBUG": "on" if debug.is_enabled() else "off",
                  "PYMPAR_TIMEOUT": "off" if timeout is None else f"{timeout!r} s"}
-    return {name: [value, f"{value} ({name}={os.environ.get(name, '<unset>')!s})"]
+    # The raw text is cut short: the exchange has a fixed size per rank.
+    return {name: [value, f"{value} ({name}={os.environ.get(name, '<unset>')[:40]})"]
             for name, value in effective.items()}
 
 
