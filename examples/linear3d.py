@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-from pympar import manager
+from pympar import faults, manager
 from pympar.modules import GELU, Linear, Linear3D, MSELoss
 from pympar.optim import SGD
 
@@ -36,7 +37,11 @@ class Parser(argparse.ArgumentParser):
     def exit(self, status: int = 0, message: str | None = None):
         if message:
             self._print_message(message, sys.stderr)
-        MPI.COMM_WORLD.Barrier()  # python -m mpi4py aborts on a non-zero exit: print first
+        # python -m mpi4py aborts the job on a non-zero exit, and an aborting job's last
+        # output is often lost: every rank waits for the message, then a moment more.
+        MPI.COMM_WORLD.Barrier()
+        if status and MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(faults.ABORT_DELAY)
         sys.exit(status)
 
 
@@ -108,8 +113,10 @@ def main(argv=None) -> int:
                     "`mpiexec -n 8 python examples/linear3d.py`" if comm.size == 1 else "")
             print(f"linear3d.py: error: {err}{hint}", file=sys.stderr, flush=True)
         # No rank exits (python -m mpi4py aborts the job on a non-zero exit) before the
-        # message is out.
+        # message is out and forwarded by the launcher.
         comm.Barrier()
+        if comm.size > 1:
+            time.sleep(faults.ABORT_DELAY)
         return 2
     if comm.rank == 0:
         print(f"final loss {result['losses'][-1]:.6f}; largest difference between the gathered 3D "

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-from pympar import manager, mappings
+from pympar import faults, manager, mappings
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,7 +34,11 @@ class Parser(argparse.ArgumentParser):
     def exit(self, status: int = 0, message: str | None = None):
         if message:
             self._print_message(message, sys.stderr)
-        MPI.COMM_WORLD.Barrier()  # python -m mpi4py aborts on a non-zero exit: print first
+        # python -m mpi4py aborts the job on a non-zero exit, and an aborting job's last
+        # output is often lost: every rank waits for the message, then a moment more.
+        MPI.COMM_WORLD.Barrier()
+        if status and MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(faults.ABORT_DELAY)
         sys.exit(status)
 
 

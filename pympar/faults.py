@@ -40,13 +40,17 @@ from mpi4py import MPI
 
 from . import debug
 
-__all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER"]
+__all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
 
 #: Environment variables whose settings must be the same on every rank.
 MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT")
 #: Seconds a rank waits at the end of the program, without a timeout, before it
 #: says that it is waiting for the others.
 EXIT_NOTE_AFTER = 30.0
+#: Seconds between printing the error and ``MPI_Abort``: launchers (MPICH's Hydra
+#: among them) stop forwarding a job's output once it aborts, so what was printed
+#: just before is otherwise often lost.
+ABORT_DELAY = 0.5
 _SLOT_BYTES = 256
 
 _installed = False
@@ -118,6 +122,7 @@ def _abort() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(ABORT_DELAY)
         MPI.COMM_WORLD.Abort(1)
 
 
@@ -153,6 +158,7 @@ def _agree_at_exit() -> None:
                 f"of the program (return or sys.exit) but other ranks did not within "
                 f"PYMPAR_TIMEOUT={timeout:g} s; aborting the job (MPI_Abort)\n")
             sys.stderr.flush()
+            time.sleep(ABORT_DELAY)
             MPI.COMM_WORLD.Abort(1)
         if not noted and waited >= EXIT_NOTE_AFTER:
             noted = True

@@ -160,7 +160,8 @@ def test_sys_exit_on_one_rank_ends_the_job_after_the_timeout(tmp_path):
     status, output, seconds = launch(tmp_path, "exit_one", PYMPAR_TIMEOUT="2")
     assert status != 0 and seconds < 20, (status, seconds, output)
     assert ("[pympar rank 1/2] this rank reached the end of the program (return or sys.exit) "
-            "but other ranks did not within PYMPAR_TIMEOUT=2 s; aborting the job") in output, output
+            "but other ranks did not within PYMPAR_TIMEOUT=2 s; aborting the job") in output, \
+        (status, seconds, output)
 
 
 @single_process
