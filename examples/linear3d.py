@@ -13,13 +13,36 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-from pympar import manager
+from pympar import faults, manager
 from pympar.modules import GELU, Linear, Linear3D, MSELoss
 from pympar.optim import SGD
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage and flag errors printed once, by rank 0, and out before any rank exits.
+
+    Every rank parses the same command line, so every rank reaches ``exit``.
+    """
+
+    def _print_message(self, message: str, file=None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+            (file or sys.stderr).flush()
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            self._print_message(message, sys.stderr)
+        # python -m mpi4py aborts the job on a non-zero exit, and an aborting job's last
+        # output is often lost: every rank waits for the message, then a moment more.
+        MPI.COMM_WORLD.Barrier()
+        if status and MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(faults.ABORT_DELAY)
+        sys.exit(status)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -73,20 +96,27 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     """Parse flags, train, report."""
-    p = argparse.ArgumentParser(description="3D tensor-parallel MLP")
+    p = Parser(prog="linear3d.py", description="3D tensor-parallel MLP")
     p.add_argument("--tp", type=int, default=8, help="cube size d**3 (8 for depth 2)")
     p.add_argument("--features", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=0.1)
-    args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
+    args = p.parse_args(argv)
     try:
         result = run(args)
-    except (ValueError, RuntimeError) as err:
+    except ValueError as err:  # raised on every rank alike: say it once, then all exit
         if comm.rank == 0:
-            print(f"linear3d.py: error: {err}", file=sys.stderr)
+            hint = ("; this is a single process: start the example under a launcher, e.g. "
+                    "`mpiexec -n 8 python examples/linear3d.py`" if comm.size == 1 else "")
+            print(f"linear3d.py: error: {err}{hint}", file=sys.stderr, flush=True)
+        # No rank exits (python -m mpi4py aborts the job on a non-zero exit) before the
+        # message is out and forwarded by the launcher.
+        comm.Barrier()
+        if comm.size > 1:
+            time.sleep(faults.ABORT_DELAY)
         return 2
     if comm.rank == 0:
         print(f"final loss {result['losses'][-1]:.6f}; largest difference between the gathered 3D "

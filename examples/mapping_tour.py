@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python examples/mapping_tour.py      (any number of ranks)
 
+All ten mappings of :mod:`pympar.mappings` are shown.
 The global array has 5 rows (sequence, axis 0) and 3 columns (hidden, last
 axis): nothing divides evenly, so the balanced split shows. Each line prints
 what every rank holds after the forward and after the backward of a mapping.
@@ -9,12 +10,36 @@ what every rank holds after the forward and after the backward of a mapping.
 
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-from pympar import manager, mappings
+from pympar import faults, manager, mappings
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage and flag errors printed once, by rank 0, and out before any rank exits.
+
+    Every rank parses the same command line, so every rank reaches ``exit``.
+    """
+
+    def _print_message(self, message: str, file=None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+            (file or sys.stderr).flush()
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            self._print_message(message, sys.stderr)
+        # python -m mpi4py aborts the job on a non-zero exit, and an aborting job's last
+        # output is often lost: every rank waits for the message, then a moment more.
+        MPI.COMM_WORLD.Barrier()
+        if status and MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(faults.ABORT_DELAY)
+        sys.exit(status)
 
 
 def show(title: str, arrays: list[np.ndarray]) -> None:
@@ -26,9 +51,14 @@ def show(title: str, arrays: list[np.ndarray]) -> None:
 
 
 def main(argv=None) -> int:
-    """Walk through the nine mappings on the whole world as one group."""
+    """Walk through every mapping on the whole world as one group."""
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
+    parser = Parser(prog="mapping_tour.py", description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
+    if size == 1 and rank == 0:
+        print("a single process: nothing is split. Start it under a launcher to see the "
+              "layouts, e.g. `mpiexec -n 2 python examples/mapping_tour.py`")
     manager.initialize_parallel(tensor_parallel_size=size, context_parallel_size=1)
     tp = manager.get_tensor_parallel_group()
     full = np.arange(15.0).reshape(5, 3)
@@ -43,6 +73,7 @@ def main(argv=None) -> int:
         ("scatter_to_sequence", full, {}, full[rows], {"size": 5}),
         ("gather_from_sequence", full[rows], {"size": 5}, full, {}),
         ("reduce_scatter_to_sequence", partial, {}, full[rows], {"size": 5}),
+        ("reduce_scatter_to_hidden", partial, {}, full[:, cols], {"size": 3}),
     ]
     if rank == 0:
         print(f"{size} ranks, group {tp.name}; the global array is\n{full}")
@@ -63,11 +94,18 @@ def main(argv=None) -> int:
     x = heads[rows]
     y = mappings.all_to_all_from_sequence_to_hidden(x, group=cp)
     back = mappings.all_to_all_from_sequence_to_hidden.backward(y, group=cp)
+    inverse = mappings.all_to_all_from_hidden_to_sequence(y, group=cp)
+    inverse_back = mappings.all_to_all_from_hidden_to_sequence.backward(x, group=cp)
     ys, backs = comm.gather(y, root=0), comm.gather(back, root=0)
+    inverses, inverse_backs = comm.gather(inverse, root=0), comm.gather(inverse_back, root=0)
     if rank == 0:
         show("all_to_all_from_sequence_to_hidden: [S/P, H] -> [S, H/P]", ys)
         show("its backward returns the sequence shards, bitwise", backs)
-    same = comm.allreduce(bool(np.array_equal(back, x)), op=MPI.LAND)
+        show("all_to_all_from_hidden_to_sequence: [S, H/P] -> [S/P, H] (the inverse)", inverses)
+        show("its backward: [S/P, H] -> [S, H/P]", inverse_backs)
+    exact = (np.array_equal(back, x) and np.array_equal(inverse, x)
+             and np.array_equal(inverse_back, y))
+    same = comm.allreduce(bool(exact), op=MPI.LAND)
     manager.destroy_parallel()
     if rank == 0:
         print(f"\nround trip exact on every rank: {same}")

@@ -4,6 +4,9 @@
 setup and the parallel layout; ``python -m pympar bench [--quick] [--out DIR]``
 (without a launcher: it starts its own ``mpiexec`` runs) runs the benchmarks of
 a repository checkout and writes JSON, PNG plots and a markdown table.
+
+Under a launcher every rank parses the same command line: usage, help and
+errors are printed once, by rank 0, and every rank exits with the same status.
 """
 
 from __future__ import annotations
@@ -99,29 +102,91 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--out", default="bench-results")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the pympar command line; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m pympar", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="print the MPI setup and the parallel layout")
+DESCRIPTION = ("pympar's command line: `info` prints the MPI setup and the parallel layout "
+               "(under your launcher, e.g. `mpiexec -n 4 python -m pympar info --tp 2`); "
+               "`bench` runs the benchmarks of a repository checkout (without a launcher).")
+REFERENCE_WIDTH = 88
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that prints usage, help, version and errors on rank 0 only."""
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``python -m pympar`` (also used to write the CLI reference)."""
+    parser = _Parser(prog="python -m pympar", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"pympar {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,bench}")
+    info = commands.add_parser("info", help="print the MPI setup and the parallel layout",
+                               description="Print the MPI library, CUDA-awareness and the "
+                                           "rank -> host -> coordinates -> groups table. Run it "
+                                           "under the launcher of your job.")
     info.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     info.add_argument("--cp", type=int, default=1, help="context-parallel size")
     info.add_argument("--order", default="tp-cp-dp", help="axes innermost first")
     info.add_argument("--mode", default="1d", choices=manager.TENSOR_PARALLEL_MODES,
                       help="tensor-parallel mode")
-    info.set_defaults(run=_info)
+    info.set_defaults(run=_info, parser=info)
     bench = commands.add_parser(
         "bench", help="run the benchmarks (spawns mpiexec itself; from a repository checkout)",
         description="Run pympar's benchmarks under mpiexec and write JSON, PNG plots and "
                     "results.md. --quick takes under two minutes on two cores.")
     _bench_arguments(bench)
-    bench.set_defaults(run=_bench)
-    args = parser.parse_args(argv)
+    bench.set_defaults(run=_bench, parser=bench)
+    return parser
+
+
+def reference_text(width: int = REFERENCE_WIDTH) -> str:
+    """The help of ``python -m pympar`` and of each subcommand, as the CLI prints it.
+
+    Parameters
+    ----------
+    width : int
+        Line width of the help text.
+    """
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(width)  # argparse wraps to the terminal's width
+    try:
+        parser = build_parser()
+        sections = [("python -m pympar", parser)]
+        for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
+            sections += [(f"python -m pympar {name}", sub) for name, sub in action.choices.items()]
+        return "\n".join(f"$ {title} --help\n{sub.format_help()}" for title, sub in sections)
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the pympar command line; returns the exit status.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments; ``sys.argv[1:]`` by default.
+
+    Returns
+    -------
+    int
+        0, or 2 after an error (printed once, by rank 0, with the subcommand's usage).
+    """
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # argparse would blame the top-level command; show the subcommand's usage
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.run(args)
     except (ValueError, RuntimeError) as err:
-        print(f"pympar {args.command}: error on rank {MPI.COMM_WORLD.Get_rank()}: {err}",
-              file=sys.stderr)
+        # pympar raises these on every rank alike (initialize_parallel agrees first):
+        # one copy of the message, not one per rank.
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            args.parser.print_usage(sys.stderr)
+            print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from mpi4py import MPI
 
+from . import faults
 from .group import Group
 from .initializer_3d import AXES_3D, ParallelMode, cube_depth, make_3d_groups
 from .mesh import Mesh, check_sizes, parse_order
@@ -136,6 +137,7 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     """
     global _state
     comm = MPI.COMM_WORLD if comm is None else comm
+    faults.start(comm)  # timed; settings that must agree; a failing rank then ends the job
     arguments = (tensor_parallel_size, context_parallel_size, order, tensor_parallel_mode)
     # Agree first, so a rank with different arguments cannot leave the others
     # waiting inside a Split that it never joins.

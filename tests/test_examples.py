@@ -1,6 +1,8 @@
 """The examples at small size: they run, and parallel layouts agree with the serial run."""
 
+import contextlib
 import importlib.util
+import io
 import sys
 from pathlib import Path
 
@@ -77,10 +79,67 @@ def test_linear3d_example_matches_serial():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_mapping_tour_runs(capsys):
+def test_mapping_tour_shows_every_mapping(capsys):
+    from pympar import mappings
+
     status = load("mapping_tour").main([])
     out = capsys.readouterr().out
-    agree(status == 0 and (WORLD.rank != 0 or "all_to_all_from_sequence_to_hidden" in out), out[-500:])
+    names = [name for name in mappings.__all__ if name != "Mapping"]
+    missing = [name for name in names if f"\n{name}: " not in out]
+    agree(status == 0 and (WORLD.rank != 0 or (not missing and len(names) == 10
+                                              and "round trip exact on every rank: True" in out)),
+          f"status {status}, missing {missing}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_linear3d_flags_that_do_not_fit_are_said_once_with_a_launcher_hint(capsys):
+    status = load("linear3d").main(["--tp", "3"])  # never a cube
+    err = capsys.readouterr().err
+    if WORLD.rank == 0:
+        ok = err.count("linear3d.py: error: ") == 1 and (
+            WORLD.size > 1 or "start the example under a launcher, e.g. `mpiexec -n 8" in err)
+    else:
+        ok = err == ""
+    agree(status == 2 and ok, f"status {status}: {err!r}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["linear3d", "mapping_tour"])
+def test_example_flag_errors_are_said_once(capsys, name):
+    with pytest.raises(SystemExit) as exit_info:
+        load(name).main(["--bogus"])
+    err = capsys.readouterr().err
+    ok = exit_info.value.code == 2 and (
+        err.startswith(f"usage: {name}.py") and err.count("error: unrecognized arguments: --bogus") == 1
+        if WORLD.rank == 0 else err == "")
+    agree(ok, f"exit {exit_info.value.code}: {err!r}")
+
+
+@pytest.mark.skipif(WORLD.size != 1, reason="launches its own 2-rank jobs; runs in the pass "
+                    "without a launcher")
+@pytest.mark.parametrize("flags,expected", [
+    (["--tp", "3"], "linear3d.py: error: world size 2 is not divisible by tensor_parallel_size 3"),
+    (["--bogus"], "linear3d.py: error: unrecognized arguments: --bogus"),
+])
+def test_example_errors_are_printed_before_mpi4py_aborts(flags, expected):
+    """Under python -m mpi4py a non-zero exit aborts the job: the message must be out first."""
+    import os
+    import subprocess
+
+    repo = EXAMPLES.parent
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PYMPAR_"))}
+    env.update(PYMPAR_LAUNCH_TIMEOUT="60",
+               PYTHONPATH=os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]))
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if mpiexec.exists():
+        env.setdefault("MPIEXEC", str(mpiexec))
+    for _ in range(3):  # the lost message was a race: try it more than once
+        done = subprocess.run([str(repo / "scripts" / "mpirun.sh"), "2", sys.executable, "-m",
+                               "mpi4py", str(EXAMPLES / "linear3d.py"), *flags],
+                              capture_output=True, text=True, timeout=90, env=env)
+        assert done.returncode != 0 and (done.stdout + done.stderr).count(expected) == 1, \
+            done.stdout + done.stderr
 
 
 @pytest.mark.mpi(min_size=2)
@@ -92,13 +151,17 @@ def test_readme_example_runs_and_matches_serial():
     from pympar import manager
 
     text = (EXAMPLES.parent / "README.md").read_text()
-    code = re.search(r"## Fifteen lines\n\n```python\n(.*?)```", text, re.S).group(1)
+    code = re.search(r"## A short example\n\n```python\n(.*?)```", text, re.S).group(1)
     scope: dict = {}
     try:
-        exec(compile(code, "README.md", "exec"), scope)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            exec(compile(code, "README.md", "exec"), scope)
         y, x = scope["y"], scope["x"]
     finally:
         manager.destroy_parallel()
+    loss = float(np.mean((y - x) ** 2))
+    agree(printed.getvalue().endswith(f" loss {loss:.6f}\n") and "tp rank" in printed.getvalue(),
+          f"the README example printed {printed.getvalue()!r}")
     # serial twin of the README's MLP on the same input
     from pympar.modules import GELU, Linear
     fc1, fc2 = Linear(64, 256, seed=1), Linear(256, 64, seed=2)

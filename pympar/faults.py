@@ -1,0 +1,213 @@
+"""A failing rank ends the whole job; settings that must agree are checked at start.
+
+:func:`pympar.manager.initialize_parallel` calls :func:`start` first. It
+
+1. exchanges, with a timed non-blocking allgather, the settings every rank must
+   share (``PYMPAR_DEBUG`` and ``PYMPAR_TIMEOUT``, as in effect in
+   :mod:`pympar.debug`), so that ``initialize_parallel`` called on only some
+   ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
+   within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
+   different settings raise :class:`ValueError` on every rank, naming the
+   variable and each rank's value;
+2. from then on, for the rest of the process, makes an uncaught exception in
+   any thread print the rank and the error and call ``MPI.COMM_WORLD.Abort``,
+   under any launcher (plain ``python script.py`` too, not only ``python -m
+   mpi4py``): the other ranks would otherwise wait forever in their next
+   collective;
+3. when the job has more than one rank, makes the end of the program (a return
+   from the script, or ``sys.exit`` with any status) agree across the ranks
+   first: a rank that ends while another has not ended waits for it; with
+   ``PYMPAR_TIMEOUT`` set it waits that long, then prints which rank ended and
+   aborts the job. Without a timeout it waits as long as MPI itself would in
+   ``MPI_Finalize``: one rank's ``sys.exit`` while others are still computing
+   cannot be told from a rank that finished early.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import debug
+
+__all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
+
+#: Environment variables whose settings must be the same on every rank.
+MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT")
+#: Seconds a rank waits at the end of the program, without a timeout, before it
+#: says that it is waiting for the others.
+EXIT_NOTE_AFTER = 30.0
+#: Seconds between printing the error and ``MPI_Abort``: launchers (MPICH's Hydra
+#: among them) stop forwarding a job's output once it aborts, so what was printed
+#: just before is otherwise often lost.
+ABORT_DELAY = 0.5
+_SLOT_BYTES = 256
+
+_installed = False
+_exit_comm: MPI.Comm | None = None
+
+
+def _settings() -> dict[str, list[str]]:
+    """This rank's settings that must agree: [what is in effect, how it reads in the environment]."""
+    timeout = debug.get_timeout()
+    effective = {"PYMPAR_DEBUG": "on" if debug.is_enabled() else "off",
+                 "PYMPAR_TIMEOUT": "off" if timeout is None else f"{timeout!r} s"}
+    # The raw text is cut short: the exchange has a fixed size per rank.
+    return {name: [value, f"{value} ({name}={os.environ.get(name, '<unset>')[:40]})"]
+            for name, value in effective.items()}
+
+
+def _exchange(comm: MPI.Comm, mine: dict) -> list[dict]:
+    """Allgather ``mine`` with a non-blocking call, timed by this rank's timeout.
+
+    Always non-blocking, so ranks whose timeouts differ still match each other.
+    """
+    payload = json.dumps(mine).encode()[:_SLOT_BYTES]
+    send = np.zeros(_SLOT_BYTES, np.uint8)
+    send[:len(payload)] = np.frombuffer(payload, np.uint8)
+    received = np.zeros((comm.Get_size(), _SLOT_BYTES), np.uint8)
+    request = comm.Iallgather(send, received)
+    timeout = debug.get_timeout()
+    if timeout is None:
+        request.Wait()
+    else:
+        deadline, pause = time.monotonic() + timeout, 1e-5
+        while not request.Test():
+            if time.monotonic() >= deadline:
+                error = debug.CollectiveTimeoutError(
+                    f"initialize_parallel did not complete within {timeout:g} s on rank "
+                    f"{comm.Get_rank()} of {comm.Get_size()}: other ranks of the communicator "
+                    "have not called it (the ranks that did not call it cannot know and wait "
+                    "in their own next collective); the communicator is no longer usable")
+                error.request = request
+                raise error
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+    return [json.loads(row.tobytes().rstrip(b"\0")) for row in received]
+
+
+def _check_agreement(seen: list[dict[str, list[str]]]) -> None:
+    """Raise ValueError when the ranks' settings differ (the same error on every rank)."""
+    for name in MUST_AGREE:
+        if len({row[name][0] for row in seen}) == 1:
+            continue
+        shown: dict[str, list[int]] = {}
+        for rank, row in enumerate(seen):
+            shown.setdefault(row[name][1], []).append(rank)
+        listing = "; ".join(f"{value} on ranks {ranks}" for value, ranks in shown.items())
+        raise ValueError(f"{name} must be set alike on every rank, but the ranks differ: "
+                         f"{listing}")
+
+
+def _report(kind: type[BaseException], value: BaseException, where: str) -> None:
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    action = "aborting the job (MPI_Abort)" if size > 1 else "exiting"
+    sys.stderr.write(f"[pympar rank {rank}/{size}] uncaught {kind.__name__}{where}: {value}; "
+                     f"{action}\n")
+    sys.stderr.flush()
+
+
+def _abort() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(ABORT_DELAY)
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _excepthook(kind: type[BaseException], value: BaseException,
+                tb: TracebackType | None) -> None:
+    traceback.print_exception(kind, value, tb)
+    _report(kind, value, "")
+    _abort()
+
+
+def _threading_excepthook(args: Any) -> None:
+    if args.exc_type is SystemExit:  # a thread's sys.exit ends only that thread
+        return
+    traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
+    name = getattr(args.thread, "name", "?")
+    _report(args.exc_type, args.exc_value, f" in thread {name!r}")
+    _abort()
+
+
+def _agree_at_exit() -> None:
+    """Wait for every rank to reach the end; with a timeout, abort when some do not."""
+    comm = _exit_comm
+    if comm is None or MPI.Is_finalized():
+        return
+    request = comm.Ibarrier()
+    timeout = debug.get_timeout()
+    start, pause, noted = time.monotonic(), 1e-5, False
+    while not request.Test():
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            sys.stderr.write(
+                f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end "
+                f"of the program (return or sys.exit) but other ranks did not within "
+                f"PYMPAR_TIMEOUT={timeout:g} s; aborting the job (MPI_Abort)\n")
+            sys.stderr.flush()
+            time.sleep(ABORT_DELAY)
+            MPI.COMM_WORLD.Abort(1)
+        if not noted and waited >= EXIT_NOTE_AFTER:
+            noted = True
+            sys.stderr.write(
+                f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end "
+                f"of the program and waits for the other ranks to end too (set PYMPAR_TIMEOUT "
+                f"to abort the job instead when they do not)\n")
+            sys.stderr.flush()
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-2)
+
+
+def _install(comm: MPI.Comm) -> None:
+    """Install the hooks (once per process) and the end-of-program agreement.
+
+    The agreement covers the first communicator of more than one rank that is
+    laid out (usually ``MPI.COMM_WORLD``).
+    """
+    global _installed, _exit_comm
+    if not _installed:
+        _installed = True
+        sys.excepthook = _excepthook
+        threading.excepthook = _threading_excepthook
+    if _exit_comm is None and comm.Get_size() > 1:
+        # A communicator of its own: the end-of-program barrier can never match a
+        # collective left pending on the user's communicators.
+        _exit_comm = comm.Dup()
+        atexit.register(_agree_at_exit)
+
+
+def start(comm: MPI.Comm) -> None:
+    """Check that the ranks of ``comm`` agree on their settings, then install the fault hooks.
+
+    Collective over ``comm``; called first by
+    :func:`pympar.manager.initialize_parallel`.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm
+        The communicator being laid out.
+
+    Raises
+    ------
+    pympar.debug.CollectiveTimeoutError
+        When ``PYMPAR_TIMEOUT`` is set on this rank and other ranks of ``comm``
+        do not call this within it. ``comm`` then has a pending operation.
+    ValueError
+        On every rank, when ``PYMPAR_DEBUG`` or ``PYMPAR_TIMEOUT`` differ
+        between ranks; the message names the variable and each rank's value.
+    """
+    _check_agreement(_exchange(comm, _settings()))
+    _install(comm)

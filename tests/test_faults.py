@@ -1,0 +1,172 @@
+"""A failing rank ends the job; settings that must agree are checked at start.
+
+In-process tests run on any number of ranks. The whole-job tests launch their
+own 2-rank jobs of a plain ``python script.py`` (no ``-m mpi4py``), so they run
+in the pass without a launcher only.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mpi_helpers import WORLD, agree, raises_everywhere
+from pympar import faults, manager
+from pympar.debug import CollectiveTimeoutError, debug_mode
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_on_some_ranks_only_raises_on_every_rank():
+    with debug_mode(enabled=WORLD.rank == 1, timeout=60.0):
+        raises_everywhere(ValueError, r"PYMPAR_DEBUG must be set alike on every rank.*"
+                          r"off \(PYMPAR_DEBUG=.*\) on ranks \[0.*on \(PYMPAR_DEBUG=.*\) on ranks \[1\]",
+                          manager.initialize_parallel)
+    agree(not manager.is_initialized())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeouts_that_differ_raise_on_every_rank():
+    with debug_mode(enabled=False, timeout=30.0 if WORLD.rank == 0 else 60.0):
+        raises_everywhere(ValueError, r"PYMPAR_TIMEOUT must be set alike.*30.0 s .*on ranks "
+                          r"\[0\].*60.0 s", manager.initialize_parallel)
+    agree(not manager.is_initialized())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_initialize_on_some_ranks_raises_there_within_the_timeout():
+    comm = WORLD.Dup()
+    error, waited = None, 0.0
+    if WORLD.rank == 0:
+        start = time.monotonic()
+        with debug_mode(enabled=False, timeout=0.5):
+            try:
+                manager.initialize_parallel(comm=comm)
+            except CollectiveTimeoutError as err:
+                error = err
+        waited = time.monotonic() - start
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        ok = (error is not None and 0.45 < waited < 10 and not manager.is_initialized()
+              and "initialize_parallel did not complete within 0.5 s on rank 0" in str(error)
+              and "other ranks of the communicator have not called it" in str(error))
+        if error is not None:
+            error.request.Wait()  # the others join the exchange now, so comm can be freed
+        agree(ok, f"no or wrong error after {waited:.2f} s: {error!r}")
+    else:
+        # The ranks that never called it: they only complete the pending exchange.
+        with debug_mode(enabled=False, timeout=None):
+            faults._exchange(comm, faults._settings())
+        agree(True)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_agreeing_settings_initialize():
+    with debug_mode(enabled=True, timeout=60.0):
+        state = manager.initialize_parallel()
+        try:
+            agree(state.tensor.size == 1 and manager.is_initialized())
+        finally:
+            manager.destroy_parallel()
+
+
+# --------------------------------------------------------------------------- whole jobs
+
+PRELUDE = """
+import os, sys, threading, time
+from mpi4py import MPI
+from pympar import manager
+rank = MPI.COMM_WORLD.Get_rank()
+manager.initialize_parallel()
+"""
+
+SCENARIOS = {
+    # rank 1 raises; rank 0 waits in a raw MPI barrier that pympar cannot time
+    "raise": """
+if rank == 1:
+    raise ValueError("boom on purpose")
+MPI.COMM_WORLD.Barrier()
+""",
+    "thread": """
+def fail():
+    raise KeyError("thread boom")
+if rank == 1:
+    threading.Thread(target=fail, name="worker").start()
+    time.sleep(60)
+MPI.COMM_WORLD.Barrier()
+""",
+    "exit_one": """
+if rank == 1:
+    sys.exit(0)
+MPI.COMM_WORLD.Barrier()
+""",
+    "exit_all": """
+time.sleep(0.5 * rank)   # uneven ends are fine
+print(f"[rank {rank}] done", flush=True)
+sys.exit(3)
+""",
+}
+
+single_process = pytest.mark.skipif(WORLD.size != 1, reason="launches its own 2-rank jobs; "
+                                    "runs in the pass without a launcher")
+
+
+def launch(tmp_path: Path, scenario: str, **env: str) -> tuple[int, str, float]:
+    """Run ``python script.py`` on 2 ranks (no -m mpi4py); (exit status, output, seconds)."""
+    script = tmp_path / f"{scenario}.py"
+    script.write_text(PRELUDE + textwrap.dedent(SCENARIOS[scenario]))
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PYMPAR_"))}
+    clean.update(PYMPAR_LAUNCH_TIMEOUT="60", **env,
+                 PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]))
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if mpiexec.exists():
+        clean.setdefault("MPIEXEC", str(mpiexec))
+    start = time.monotonic()
+    done = subprocess.run([str(REPO / "scripts" / "mpirun.sh"), "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=90, env=clean, cwd=tmp_path)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_an_exception_on_one_rank_ends_a_plain_python_job(tmp_path):
+    status, output, seconds = launch(tmp_path, "raise")
+    assert status != 0 and seconds < 20, (status, seconds, output)
+    assert "[pympar rank 1/2] uncaught ValueError: boom on purpose; aborting the job" in output
+    assert "Traceback" in output, output
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_an_exception_in_a_thread_ends_the_job(tmp_path):
+    status, output, seconds = launch(tmp_path, "thread")
+    assert status != 0 and seconds < 20, (status, seconds, output)
+    assert ("[pympar rank 1/2] uncaught KeyError in thread 'worker': 'thread boom'; "
+            "aborting the job") in output, output
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_sys_exit_on_one_rank_ends_the_job_after_the_timeout(tmp_path):
+    status, output, seconds = launch(tmp_path, "exit_one", PYMPAR_TIMEOUT="2")
+    assert status != 0 and seconds < 20, (status, seconds, output)
+    assert ("[pympar rank 1/2] this rank reached the end of the program (return or sys.exit) "
+            "but other ranks did not within PYMPAR_TIMEOUT=2 s; aborting the job") in output, \
+        (status, seconds, output)
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_ranks_that_all_end_keep_their_exit_status(tmp_path):
+    status, output, _ = launch(tmp_path, "exit_all", PYMPAR_TIMEOUT="10")
+    assert status == 3, (status, output)
+    assert "[rank 0] done" in output and "[rank 1] done" in output and "abort" not in output.lower()
