@@ -39,6 +39,9 @@ API_PAGES = {
     "stats": "Recorder",
     "modules": "ColumnParallelLinear",
     "optim": "allreduce_gradients",
+    "zero": "ZeroRedundancyOptimizer",
+    "amp": "GradScaler",
+    "memory": "memory_report",
 }
 
 
