@@ -31,6 +31,7 @@ __all__ = ["save", "load", "latest"]
 #: Bytes of the host staging buffer each rank uses for a save or a load.
 BUFFER_BYTES = 8 * 2**20
 _MESSAGE_BYTES = 2048
+_MANIFEST_LIMIT = 64 * 2**20
 
 
 @dataclass
@@ -409,7 +410,11 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
             if not stat.S_ISREG(os.lstat(manifest).st_mode):
                 raise CheckpointError(f"{MANIFEST} in {directory} is not a regular file")
             with open(manifest, "rb") as f:
-                raw[0] = f.read(64 * 2**20)
+                size = os.fstat(f.fileno()).st_size
+                if size > _MANIFEST_LIMIT:
+                    raise CheckpointError(f"{MANIFEST} holds {size} bytes, more than any "
+                                          f"manifest ({_MANIFEST_LIMIT}); refused")
+                raw[0] = f.read(size)
             length[0] = len(raw[0])
 
     _attempt(comm, read_manifest)
