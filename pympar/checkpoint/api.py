@@ -22,7 +22,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..partition import Placement
-from .files import Buffer, adler_total, read_box, replica_share, write_box
+from ..partition import block_slice
+from .files import Buffer, adler_total, checksum_range, read_box, replica_share, write_box
 from .format import (FORMAT, MANIFEST, VERSION, CheckpointError, check_header, logical_name,
                      npy_header, parse_manifest, stored_dtype)
 
@@ -368,8 +369,8 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     """Load a checkpoint into ``model`` (and ``optimizer``) under any layout; collective.
 
     Each rank reads only its own block of each tensor. Before a parameter is changed, the
-    manifest, every file's header and size, and every file's checksum (each rank checking a
-    disjoint share) are verified.
+    manifest, every file's header and size, and every file's checksum (each rank checking one
+    contiguous range of each file) are verified.
 
     Parameters
     ----------
@@ -463,17 +464,18 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         return manifest, tensors, state, offsets
 
     manifest, tensors, state, offsets = _attempt(comm, check)
-    shares = _attempt(comm, _shares, comm, tensors)
     buffer = Buffer(BUFFER_BYTES)
     entries = manifest["tensors"]
     sums = np.zeros((len(tensors), 2), dtype=np.int64)
 
     def verify():
-        # Pass 1: each rank checksums its disjoint share; no parameter is touched yet.
-        for i, (t, pieces) in enumerate(zip(tensors, shares)):
-            with _open(entries[t.name]["path"]) as fd:
-                for g, _ in pieces:
-                    read_box(fd, offsets[i], t.placement.shape, g, None, t.stored, buffer, sums[i])
+        # Pass 1: each rank checksums one contiguous range of every file; nothing is touched.
+        for i, t in enumerate(tensors):
+            total = math.prod(t.placement.shape) * t.stored.itemsize
+            mine = block_slice(total, comm.Get_size(), rank)
+            if mine.stop > mine.start:
+                with _open(entries[t.name]["path"]) as fd:
+                    checksum_range(fd, offsets[i], mine.start, mine.stop, total, buffer, sums[i])
 
     _attempt(comm, verify)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
@@ -490,8 +492,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         for i, t in enumerate(tensors):
             with _open(entries[t.name]["path"]) as fd:
                 for g, lo in t.placement.pieces():
-                    read_box(fd, offsets[i], t.placement.shape, g, t.array[lo], t.stored, buffer,
-                             None)
+                    read_box(fd, offsets[i], t.placement.shape, g, t.array[lo], t.stored, buffer)
         if optimizer is not None:
             optimizer.load_state_dict(state)
 
