@@ -10,6 +10,7 @@ torch_comm.json     2      bench_torch_comm.py: vs torch.distributed gloo (or sk
 mlp.json            2      bench_mlp.py: tensor-parallel MLP step vs serial and torch
 comm_volume_8.json  8      bench_comm_volume.py: Linear3D pair vs Column+Row bytes
 comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversubscribed)
+checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -70,6 +71,7 @@ def plan(quick: bool) -> list[Job]:
                 ["--shapes", "128x2048", "--repeats", "3", "--warmup", "1"], 300),
             Job("comm_volume_8", "bench_comm_volume.py", 8, "comm_volume_8.json",
                 ["--shapes", "256x64x256,13x9x35"], 300),
+            Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--quick"], 300),
         ]
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
@@ -83,6 +85,7 @@ def plan(quick: bool) -> list[Job]:
         Job("comm_volume_8", "bench_comm_volume.py", 8, "comm_volume_8.json", ["--shapes", shapes]),
         Job("comm_volume_27", "bench_comm_volume.py", 27, "comm_volume_27.json",
             ["--shapes", shapes], 900),
+        Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--size", "1GiB"], 1800),
     ]
 
 
