@@ -8,168 +8,29 @@ one small all-reduce, so an error is raised on every rank with the same message.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import shutil
 import stat
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ..partition import Placement
 from ..partition import block_slice
-from .files import Buffer, adler_total, checksum_range, read_box, replica_share, write_box
+from ._shared import (agree, attempt, default_comm, file_name, open_fd, optimizer_names, shares,
+                      signature, tensors_of)
+from .files import Buffer, adler_total, checksum_range, read_box, write_box
 from .format import (FORMAT, MANIFEST, VERSION, CheckpointError, check_header, logical_name,
-                     npy_header, parse_manifest, stored_dtype)
+                     npy_header, parse_manifest)
 
 __all__ = ["save", "load", "latest"]
 
 #: Bytes of the host staging buffer each rank uses for a save or a load.
 BUFFER_BYTES = 8 * 2**20
-_MESSAGE_BYTES = 2048
 _MANIFEST_LIMIT = 64 * 2**20
-
-
-@dataclass
-class _Tensor:
-    name: str
-    placement: Placement
-    array: Any  # this rank's shard (NumPy or CuPy), viewed as the stored dtype's kind
-    logical: np.dtype
-    stored: np.dtype
-
-
-def _default_comm(comm: Any) -> MPI.Intracomm:
-    if comm is not None:
-        return getattr(comm, "comm", comm)
-    from .. import manager
-
-    return manager.get_parallel_state().mesh.comm if manager.is_initialized() else MPI.COMM_WORLD
-
-
-def _agree(comm: MPI.Intracomm, error: str | None) -> None:
-    """Raise one ``CheckpointError`` on every rank when any rank has an error.
-
-    The lowest failing rank's message is sent to all (as bytes: nothing is pickled).
-    """
-    size = comm.Get_size()
-    flag = np.array([comm.Get_rank() if error else size], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
-    root = int(flag[0])
-    if root == size:
-        return
-    message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
-    if error:
-        raw = error.encode("utf-8", "replace")[:_MESSAGE_BYTES]
-        message[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    if size > 1:
-        comm.Bcast(message, root=root)
-    text = bytes(message).rstrip(b"\0").decode("utf-8", "replace")
-    raise CheckpointError(text + (f" [rank {root}]" if size > 1 else ""))
-
-
-def _attempt(comm: MPI.Intracomm, func: Any, *args: Any) -> Any:
-    """Run ``func`` on this rank, then agree: all ranks raise if any failed."""
-    result, error = None, None
-    try:
-        result = func(*args)
-    except CheckpointError as err:
-        error = str(err)
-    except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
-        error = f"{type(err).__name__}: {err}"
-    _agree(comm, error)
-    return result
-
-
-def _check_placement(name: str, p: Any) -> None:
-    # Until every layer carries a placement, a sharded parameter without one would be taken
-    # for a replica and saved wrongly: refuse it. (partition_dim/group go away with that work.)
-    group = getattr(p, "group", None)
-    sharded = getattr(p, "partition_dim", None) is not None or group is not None
-    if sharded and getattr(group, "size", 1) > 1 and p.placement.replicated:
-        raise CheckpointError(f"parameter {name!r} is sharded over {group.name} but has no "
-                              "placement (its layer does not set Parameter.placement yet)")
-
-
-def _tensors(model: Any, optimizer: Any) -> tuple[list[_Tensor], dict | None]:
-    """The logical tensors of a model (and optimizer), with this rank's shards."""
-    out, by_id = [], {}
-    for name, p in model.named_parameters():
-        _check_placement(name, p)
-        out.append(_make(name, p.placement, p.data))
-        by_id[id(p)] = name
-    if optimizer is None:
-        return out, None
-    state = optimizer.state_dict()
-    steps = {}
-    for i, p in enumerate(optimizer.params):
-        name = by_id.get(id(p))
-        if name is None:
-            raise CheckpointError(f"the optimizer's parameter {i} ({p.name}) is not a parameter "
-                                  "of the model")
-        steps[name] = state["state"][i]["step"]
-        for key, value in state["state"][i].items():
-            if key != "step":
-                out.append(_make(f"optimizer/{name}/{key}", p.placement, value))
-    meta = {"type": state["type"], "hyperparameters": state["hyperparameters"], "steps": steps}
-    return out, meta
-
-
-def _make(name: str, placement: Placement, array: Any) -> _Tensor:
-    logical = np.dtype(array.dtype)
-    stored = stored_dtype(logical)
-    if stored.kind != logical.kind:  # bfloat16 travels as its uint16 bit pattern
-        array = array.view(stored)
-    return _Tensor(name, placement, array, logical, stored)
-
-
-def _signature(tensors: list[_Tensor]) -> int:
-    text = repr([(t.name, t.placement.shape, t.stored.str) for t in tensors])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-
-
-def _block_key(t: _Tensor) -> int:
-    boxes = [tuple((s.start, s.stop) for s in g) for g, _ in t.placement.pieces()]
-    return int.from_bytes(hashlib.blake2b(repr(boxes).encode(), digest_size=7).digest(), "little")
-
-
-def _shares(comm: MPI.Intracomm, tensors: list[_Tensor]) -> list[list[tuple]]:
-    """Per tensor, the ``(global box, local box)`` pieces this rank writes (or verifies).
-
-    One all-gather of a small key per tensor finds the ranks holding the same block; they split
-    it. The distinct blocks must tile the full array exactly.
-    """
-    size = comm.Get_size()
-    mine = np.array([[_block_key(t), math.prod(t.placement.local_shape)] for t in tensors],
-                    dtype=np.int64).reshape(len(tensors), 2)
-    every = np.empty((size, len(tensors), 2), dtype=np.int64)
-    comm.Allgather(mine, every)
-    rank, out = comm.Get_rank(), []
-    for i, t in enumerate(tensors):
-        keys = every[:, i, 0]
-        holders = np.flatnonzero(keys == keys[rank])
-        _, first = np.unique(keys, return_index=True)
-        if int(every[first, i, 1].sum()) != math.prod(t.placement.shape):
-            raise CheckpointError(f"tensor {t.name!r}: the ranks' blocks do not tile its full "
-                                  f"shape {t.placement.shape} (inconsistent placements)")
-        count, index = len(holders), int(np.searchsorted(holders, rank))
-        pieces = []
-        for g, lo in t.placement.pieces():
-            share = replica_share(g, count, index)
-            local = tuple(slice(l.start + s.start - gg.start, l.start + s.stop - gg.start)
-                          for l, s, gg in zip(lo, share, g))
-            pieces.append((share, local))
-        out.append(pieces)
-    return out
-
-
-def _file_name(i: int) -> str:
-    return f"t{i:05d}.npy"
 
 
 def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: int | None = None,
@@ -208,7 +69,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
         On every rank, with the same message, when any rank fails; ``path`` is then not
         created (a temporary directory may remain; it is never loaded).
     """
-    comm = _default_comm(comm)
+    comm = default_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
@@ -223,15 +84,15 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             json.dumps(extra)  # refuse non-JSON extras before any byte is written
             if os.path.lexists(path):
                 raise CheckpointError(f"{path} exists; a checkpoint is never overwritten")
-        return _tensors(model, optimizer)
+        return tensors_of(model, optimizer)
 
-    tensors, meta = _attempt(comm, prepare)
-    signature = np.array([_signature(tensors)], dtype=np.int64)
+    tensors, meta = attempt(comm, prepare)
+    mine = np.array([signature(tensors)], dtype=np.int64)
     signatures = np.empty(size, dtype=np.int64)
-    comm.Allgather(signature, signatures)
-    _agree(comm, None if (signatures == signatures[0]).all() else
-           "the ranks disagree on the model's tensors (names, full shapes or dtypes)")
-    shares = _attempt(comm, _shares, comm, tensors)
+    comm.Allgather(mine, signatures)
+    agree(comm, None if (signatures == signatures[0]).all() else
+          "the ranks disagree on the model's tensors (names, full shapes or dtypes)")
+    blocks = attempt(comm, shares, comm, tensors)
 
     # A fresh temporary directory beside the target, named by rank 0.
     name = np.zeros(256, dtype=np.uint8)
@@ -243,7 +104,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             os.mkdir(os.path.join(parent, temp))
             name[:len(temp)] = np.frombuffer(temp.encode(), dtype=np.uint8)
 
-    _attempt(comm, make_temp)
+    attempt(comm, make_temp)
     comm.Bcast(name, root=0)
     temp = os.path.join(parent, bytes(name).rstrip(b"\0").decode())
 
@@ -253,7 +114,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             if i % size == rank:
                 header = npy_header(t.placement.shape, t.stored)
                 nbytes = math.prod(t.placement.shape) * t.stored.itemsize
-                fd = os.open(os.path.join(temp, _file_name(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                fd = os.open(os.path.join(temp, file_name(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
                              0o644)
                 try:
                     os.pwrite(fd, header, 0)
@@ -261,16 +122,16 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
                 finally:
                     os.close(fd)
 
-    _attempt(comm, create_files)
+    attempt(comm, create_files)
     sums = np.zeros((len(tensors), 2), dtype=np.int64)
 
     def write_files():
-        for i, (t, pieces) in enumerate(zip(tensors, shares)):
+        for i, (t, pieces) in enumerate(zip(tensors, blocks)):
             offset = len(npy_header(t.placement.shape, t.stored))
             if i % size != rank and not any(
                     math.prod(s.stop - s.start for s in g) for g, _ in pieces):
                 continue  # nothing to write here; the creator still fsyncs the header
-            fd = os.open(os.path.join(temp, _file_name(i)), os.O_WRONLY)
+            fd = os.open(os.path.join(temp, file_name(i)), os.O_WRONLY)
             try:
                 for g, lo in pieces:
                     write_box(fd, offset, t.placement.shape, g, t.array[lo], t.stored, buffer,
@@ -279,7 +140,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             finally:
                 os.close(fd)
 
-    _attempt(comm, write_files)
+    attempt(comm, write_files)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
 
     def commit():
@@ -287,7 +148,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             entries = {}
             for i, t in enumerate(tensors):
                 total = math.prod(t.placement.shape) * t.stored.itemsize
-                entries[t.name] = {"file": _file_name(i), "shape": list(t.placement.shape),
+                entries[t.name] = {"file": file_name(i), "shape": list(t.placement.shape),
                                    "dtype": logical_name(t.logical),
                                    "checksum": f"adler32:{adler_total(sums[i], total):08x}"}
             manifest = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra,
@@ -296,7 +157,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             if keep is not None:
                 _retain(parent, keep)
 
-    _attempt(comm, commit)
+    attempt(comm, commit)
     return path
 
 
@@ -397,7 +258,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         untrusted file, a tensor missing or fitting no parameter, an unknown format version.
         Nothing has been changed when it is raised before the data are read.
     """
-    comm = _default_comm(comm)
+    comm = default_comm(comm)
     rank = comm.Get_rank()
     directory = os.path.abspath(os.fspath(path))
     length = np.zeros(1, dtype=np.int64)
@@ -418,7 +279,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
                 raw[0] = f.read(size)
             length[0] = len(raw[0])
 
-    _attempt(comm, read_manifest)
+    attempt(comm, read_manifest)
     comm.Bcast(length, root=0)
     text = np.zeros(int(length[0]), dtype=np.uint8)
     if rank == 0:
@@ -427,7 +288,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
 
     def check():
         manifest = parse_manifest(directory, text.tobytes())
-        tensors, meta = _tensors(model, optimizer)
+        tensors, meta = tensors_of(model, optimizer)
         entries = manifest["tensors"]
         names = {t.name for t in tensors}
         for t in tensors:
@@ -448,7 +309,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
             if not isinstance(saved, dict) or not isinstance(saved.get("steps"), dict):
                 raise CheckpointError("the checkpoint holds no optimizer state")
             state = optimizer.state_dict()
-            by_name = {n: i for i, n in enumerate(_optimizer_names(model, optimizer))}
+            by_name = {n: i for i, n in enumerate(optimizer_names(model, optimizer))}
             if set(saved["steps"]) != set(by_name):
                 raise CheckpointError("the checkpoint's optimizer steps name other parameters")
             for name, i in by_name.items():
@@ -463,7 +324,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         offsets = [check_header(entries[t.name], t.name) for t in tensors]
         return manifest, tensors, state, offsets
 
-    manifest, tensors, state, offsets = _attempt(comm, check)
+    manifest, tensors, state, offsets = attempt(comm, check)
     buffer = Buffer(BUFFER_BYTES)
     entries = manifest["tensors"]
     sums = np.zeros((len(tensors), 2), dtype=np.int64)
@@ -474,10 +335,10 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
             total = math.prod(t.placement.shape) * t.stored.itemsize
             mine = block_slice(total, comm.Get_size(), rank)
             if mine.stop > mine.start:
-                with _open(entries[t.name]["path"]) as fd:
+                with open_fd(entries[t.name]["path"]) as fd:
                     checksum_range(fd, offsets[i], mine.start, mine.stop, total, buffer, sums[i])
 
-    _attempt(comm, verify)
+    attempt(comm, verify)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     bad = None
     for i, t in enumerate(tensors):
@@ -485,34 +346,16 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         if adler_total(sums[i], total) != entries[t.name]["adler32"]:
             bad = bad or (f"tensor {t.name!r}: checksum mismatch in {entries[t.name]['file']} "
                           "(the file is corrupted)")
-    _agree(comm, bad)
+    agree(comm, bad)
 
     def place():
         # Pass 2: every rank reads its whole block straight into its arrays.
         for i, t in enumerate(tensors):
-            with _open(entries[t.name]["path"]) as fd:
+            with open_fd(entries[t.name]["path"]) as fd:
                 for g, lo in t.placement.pieces():
                     read_box(fd, offsets[i], t.placement.shape, g, t.array[lo], t.stored, buffer)
         if optimizer is not None:
             optimizer.load_state_dict(state)
 
-    _attempt(comm, place)
+    attempt(comm, place)
     return manifest.get("step"), manifest.get("extra")
-
-
-def _optimizer_names(model: Any, optimizer: Any) -> list[str]:
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return [by_id[id(p)] for p in optimizer.params]
-
-
-class _open:
-    """A read-only file descriptor as a context manager."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-
-    def __enter__(self) -> int:
-        return self.fd
-
-    def __exit__(self, *exc: Any) -> None:
-        os.close(self.fd)
