@@ -220,3 +220,33 @@ def test_sigusr1_to_one_rank_saves_and_exits_0(tmp_path):
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert len(metrics["losses"]) == step + 2
     assert checkpoint.latest(ckpt).endswith(f"step_{step + 2:08d}")
+
+
+# -- the example's output (issue: one progress display, errors before the abort) ---------
+
+
+@pytest.mark.mpi(min_size=1)
+def test_losses_printed_once_and_no_bar_off_a_tty(capsys, tmp_path):
+    burgers = load("burgers")
+    flags = [a for a in TINY if a != "--quiet"] + ["--out", str(tmp_path)]
+    status = burgers.main(flags)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    steps = [line.split()[1] for line in lines]
+    agree(status == 0 and (WORLD.rank != 0 or (lines and len(steps) == len(set(steps))
+                                               and "\r" not in out and "train:" not in out)),
+          f"status {status}, output {out[-800:]!r}")
+
+
+@own_job
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "2"], "burgers.py: error: --tp 2 x --cp 1 does not divide 1 ranks"),
+    (["--no-such-flag"], "burgers.py: error: unrecognized arguments: --no-such-flag")])
+def test_argument_errors_printed_with_the_launcher_hint(flags, message):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL",
+                                "SLURM_"))}
+    done = subprocess.run([sys.executable, "-m", "mpi4py", "examples/burgers.py", *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert message in done.stderr and "`mpiexec -n N python -m mpi4py" in done.stderr, done.stderr
