@@ -250,3 +250,21 @@ def test_bfloat16_is_stored_as_uint16(state, shared_dir):
     agree(manifest["tensors"]["w"]["dtype"] == "bfloat16" and raw.dtype == np.uint16
           and raw.tobytes() == values.view(np.uint16).tobytes()
           and model.w.data.tobytes() == place.take(values).tobytes(), "bfloat16 round trip")
+
+
+def test_scalars_empty_and_integer_tensors(state, shared_dir):
+    model = Module()
+    model.s = Parameter(np.array(3.5))  # 0-d: one replica writes it
+    model.e = Parameter(np.zeros((0, 4)))
+    place = Placement((5, 3), (Split.over(state.data, 0),))  # uneven rows
+    full = np.arange(15, dtype=np.int32).reshape(5, 3)
+    model.i = Parameter(place.take(full), placement=place)
+    path = checkpoint.save(os.path.join(shared_dir, "c"), model, step=0)
+    files = json.load(open(os.path.join(path, "manifest.json")))["tensors"]
+    on_disk = [np.load(os.path.join(path, files[k]["file"]), allow_pickle=False) for k in "sei"]
+    model.s.data[...] = 0
+    model.i.data[...] = 0
+    step, _ = checkpoint.load(path, model)
+    agree(step == 0 and on_disk[0] == 3.5 and on_disk[1].shape == (0, 4)
+          and np.array_equal(on_disk[2], full) and float(model.s.data) == 3.5
+          and np.array_equal(model.i.data, place.take(full)), f"{on_disk}, {model.s.data}")

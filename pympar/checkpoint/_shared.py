@@ -148,6 +148,8 @@ def shares(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[list[tuple]]:
         pieces = []
         for g, lo in t.placement.pieces():
             share = replica_share(g, count, index)
+            if share is None:
+                continue
             local = tuple(slice(l.start + s.start - gg.start, l.start + s.stop - gg.start)
                           for l, s, gg in zip(lo, share, g))
             pieces.append((share, local))

@@ -134,7 +134,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
             fd = os.open(os.path.join(temp, file_name(i)), os.O_WRONLY)
             try:
                 for g, lo in pieces:
-                    write_box(fd, offset, t.placement.shape, g, t.array[lo], t.stored, buffer,
+                    write_box(fd, offset, t.placement.shape, g, t.array[(*lo, ...)], t.stored, buffer,
                               sums[i])
                 os.fsync(fd)
             finally:
@@ -353,7 +353,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         for i, t in enumerate(tensors):
             with open_fd(entries[t.name]["path"]) as fd:
                 for g, lo in t.placement.pieces():
-                    read_box(fd, offsets[i], t.placement.shape, g, t.array[lo], t.stored, buffer)
+                    read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored, buffer)
         if optimizer is not None:
             optimizer.load_state_dict(state)
 

@@ -72,19 +72,20 @@ def box_runs(shape: tuple[int, ...], box: Box) -> tuple[np.ndarray, int]:
     return starts.reshape(-1), length
 
 
-def replica_share(box: Box, count: int, index: int) -> Box:
+def replica_share(box: Box, count: int, index: int) -> Box | None:
     """Part ``index`` of ``count`` of a box that ``count`` ranks hold identically.
 
     Cut along the outermost axis at least ``count`` long (runs stay long); failing that the
-    outermost longer than 1, where some replicas get nothing.
+    outermost longer than 1, where some replicas get nothing. ``None``: nothing at all (a
+    single element belongs to the first replica).
     """
     if count == 1:
         return box
     extents = [s.stop - s.start for s in box]
     axes = [a for a, n in enumerate(extents) if n >= count] or \
         [a for a, n in enumerate(extents) if n > 1]
-    if not axes:  # a single element: the first replica writes it
-        return box if index == 0 else tuple(slice(s.start, s.start) for s in box)
+    if not axes:  # a single element (or a 0-d array): the first replica writes it
+        return box if index == 0 else None
     a = axes[0]
     part = block_slice(extents[a], count, index)
     cut = slice(box[a].start + part.start, box[a].start + part.stop)
