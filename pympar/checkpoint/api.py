@@ -31,6 +31,7 @@ __all__ = ["save", "load", "latest"]
 #: Bytes of the host staging buffer each rank uses for a save or a load.
 BUFFER_BYTES = 8 * 2**20
 _MANIFEST_LIMIT = 64 * 2**20
+_OPEN_FILES = 64
 
 
 def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: int | None = None,
@@ -126,18 +127,26 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     sums = np.zeros((len(tensors), 2), dtype=np.int64)
 
     def write_files():
-        for i, (t, pieces) in enumerate(zip(tensors, blocks)):
-            offset = len(npy_header(t.placement.shape, t.stored))
-            if i % size != rank and not any(
-                    math.prod(s.stop - s.start for s in g) for g, _ in pieces):
-                continue  # nothing to write here; the creator still fsyncs the header
-            fd = os.open(os.path.join(temp, file_name(i)), os.O_WRONLY)
-            try:
+        # Writes first, fsyncs later (up to _OPEN_FILES files behind): the kernel writes back
+        # the earlier files while later ones are being written, not one file at a time.
+        written: list[int] = []
+        try:
+            for i, (t, pieces) in enumerate(zip(tensors, blocks)):
+                if len(written) == _OPEN_FILES:
+                    os.fsync(written[0])
+                    os.close(written.pop(0))
+                offset = len(npy_header(t.placement.shape, t.stored))
+                if i % size != rank and not any(
+                        math.prod(s.stop - s.start for s in g) for g, _ in pieces):
+                    continue  # nothing to write here; the creator still fsyncs the header
+                written.append(os.open(os.path.join(temp, file_name(i)), os.O_WRONLY))
                 for g, lo in pieces:
-                    write_box(fd, offset, t.placement.shape, g, t.array[(*lo, ...)], t.stored, buffer,
-                              sums[i])
+                    write_box(written[-1], offset, t.placement.shape, g, t.array[(*lo, ...)],
+                              t.stored, buffer, sums[i])
+            for fd in written:
                 os.fsync(fd)
-            finally:
+        finally:
+            for fd in written:
                 os.close(fd)
 
     attempt(comm, write_files)
