@@ -108,7 +108,8 @@ def full_of(model, opt, name, key=None):
     return opt.state_dict()["state"][opt.params.index(p)][key]
 
 
-def test_files_equal_the_serial_model_bitwise(state, shared_dir):
+def test_files_equal_the_serial_model_bitwise(state, shared_dir, monkeypatch):
+    monkeypatch.setattr(api, "_OPEN_FILES", 2)  # fsync and close early files while writing
     model, opt = trained(state, "a")
     serial, sopt = trained(state, "serial")
     path = checkpoint.save(os.path.join(shared_dir, "c"), model, opt, step=2, extra={"k": [1]})
