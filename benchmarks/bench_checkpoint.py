@@ -6,8 +6,10 @@ sleep)::
     PYTHONPATH=. mpiexec -n 4 python -m mpi4py benchmarks/bench_checkpoint.py \\
         [--size 1GiB | --quick] [--repeats 3] [--dir DIR] [--json PATH]
 
-The state is a model of ``float32`` weights plus AdamW's two moments (``--size`` in all,
-about a third each), column-split over the ranks (strided runs in the files). Variants,
+The state is a model of ``float32`` weights ``(rows, 4096)`` plus AdamW's two moments
+(``--size`` in all, about a third each), split over the ranks like tensor-parallel layers:
+half the weights by rows (Column-parallel: one contiguous block per rank in the file), half
+by columns (Row-parallel: one run of ``4096 / ranks`` values per row). Variants,
 interleaved round by round, each a median over rounds, each rate = state bytes / seconds
 of the slowest rank:
 
@@ -15,8 +17,8 @@ of the slowest rank:
   in 8 MiB ``os.write`` calls and ``fsync`` s it, then reads it back (the disk's own figure
   in this run; reads of freshly written data come from the page cache, as for the loads);
 * ``pympar save`` (:func:`pympar.checkpoint.save`, fsync'd and committed);
-* ``pympar load same layout`` and ``pympar load other layout`` (row-split weights instead
-  of column-split: every rank reads other byte ranges than it wrote);
+* ``pympar load same layout`` and ``pympar load other layout`` (each weight split along
+  its other axis: every rank reads other byte ranges than it wrote);
 * ``torch DCP save`` / ``torch DCP load`` (``torch.distributed.checkpoint`` over gloo, each
   rank's shards as its own tensors) when torch is installed.
 
@@ -59,10 +61,12 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def build(comm: MPI.Comm, rows: int, cols: int, axis: int) -> tuple[Module, AdamW]:
-    """The model, each weight split along ``axis`` over ``comm``, with AdamW state."""
+def build(comm: MPI.Comm, rows: int, cols: int, swap: bool) -> tuple[Module, AdamW]:
+    """The model, weights split alternately along axes 0 and 1 (swapped: 1 and 0), with AdamW
+    state."""
     model = Module()
     for i in range(TENSORS):
+        axis = (i + swap) % 2
         place = Placement((rows, cols), (Split(axis, comm.Get_size(), comm.Get_rank()),))
         data = np.full(place.local_shape, float(i), dtype=np.float32)
         setattr(model, f"w{i}", Parameter(data, placement=place))
@@ -101,11 +105,11 @@ def timed(comm: MPI.Comm, fn) -> float:
 def measure(comm: MPI.Comm, size: int, repeats: int, root: str) -> dict:
     """All variants on the ranks of ``comm``; rates in GB/s."""
     ranks = comm.Get_size()
-    cols = 1024
+    cols = 4096
     rows = max(size // (3 * TENSORS * cols * 4), ranks)
     nbytes = 3 * TENSORS * rows * cols * 4
-    model, opt = build(comm, rows, cols, axis=1)
-    other, other_opt = build(comm, rows, cols, axis=0)
+    model, opt = build(comm, rows, cols, swap=False)
+    other, other_opt = build(comm, rows, cols, swap=True)
     where = os.path.join(root, f"p{ranks}")
     counter = [0]
 
