@@ -263,8 +263,11 @@ def _train(args, comm, state) -> dict:
 
     def save(step: int) -> None:
         path = os.path.join(args.checkpoint_dir, f"step_{step:08d}")
+        began = time.perf_counter()
         checkpoint.save(path, model, optimizer, step=step, keep=3, comm=comm,
                         extra={"rng": shuffle.bit_generator.state, "losses": losses})
+        if show:  # the save time tells how much lead time a stop signal needs
+            print(f"saved {path} in {time.perf_counter() - began:.2f} s", flush=True)
 
     bar = None
     if show:
