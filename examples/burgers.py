@@ -227,13 +227,17 @@ def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dic
     """Generate data, train, validate; return the metrics (the same dict on every rank)."""
     check_layout(args, comm.Get_size())
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
+    # From here on a stop signal only sets a flag (it would otherwise end the process).
+    stop = Preemption(comm) if args.checkpoint_dir is not None else None
     try:
-        return _train(args, comm, state)
+        return _train(args, comm, state, stop)
     finally:
+        if stop is not None:
+            stop.close()
         manager.destroy_parallel()
 
 
-def _train(args, comm, state) -> dict:
+def _train(args, comm, state, stop) -> dict:
     dtype = np.dtype(args.dtype)
     rank = comm.Get_rank()
     dp, cp = state.data.size, state.context.size
@@ -283,7 +287,6 @@ def _train(args, comm, state) -> dict:
                            file=sys.stdout, mininterval=1.0)
             except ImportError:
                 pass
-    stop = Preemption(comm) if args.checkpoint_dir is not None else None
     preempted = None
     comm.Barrier()
     start = time.perf_counter()
@@ -315,8 +318,6 @@ def _train(args, comm, state) -> dict:
                 preempted = step + 1
                 break
     finally:
-        if stop is not None:
-            stop.close()
         if bar is not None:
             bar.close()
     done = preempted or args.steps
