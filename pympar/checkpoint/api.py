@@ -174,7 +174,9 @@ def _commit(temp: str, path: str, manifest: bytes) -> None:
     """Manifest last, everything fsync'd, then the atomic rename of ``temp`` to ``path``."""
     fd = os.open(os.path.join(temp, MANIFEST), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
-        os.write(fd, manifest)
+        view = memoryview(manifest)
+        while len(view):
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
