@@ -12,6 +12,7 @@ comm_volume_8.json  8      bench_comm_volume.py: Linear3D pair vs Column+Row byt
 comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversubscribed)
 memory.json         2      bench_memory.py: bytes per rank with ZeRO/bf16/recompute, ZeRO step
 attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memory, zig-zag
+checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -76,6 +77,7 @@ def plan(quick: bool) -> list[Job]:
                 ["--shapes", "128x256", "--repeats", "3", "--warmup", "1"], 300),
             Job("attention", "bench_attention.py", 4, "attention.json",
                 ["--seq", "512", "--repeats", "3"], 300),
+            Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--quick"], 300),
         ]
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
@@ -93,6 +95,7 @@ def plan(quick: bool) -> list[Job]:
             ["--shapes", "512x1024,1024x2048", "--repeats", "11", "--warmup", "2"]),
         Job("attention", "bench_attention.py", 4, "attention.json",
             ["--seq", "4096", "--repeats", "7"], 900),
+        Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--size", "1GiB"], 1800),
     ]
 
 

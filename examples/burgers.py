@@ -11,10 +11,17 @@ learns ``u(t) -> u(t + dt)``:
 * data parallelism splits every batch; gradients are summed over the
   data x context group with :func:`pympar.optim.allreduce_gradients`.
 
-Run ``mpiexec -n 4 python examples/burgers.py --tp 2 --cp 2`` (or with no
-launcher, serially). Rank 0 prints the layout, a progress bar, the loss, the
-validation error against the solver and the throughput, and writes
-``loss.png`` and ``metrics.json`` into ``--out``.
+Run ``mpiexec -n 4 python -m mpi4py examples/burgers.py --tp 2 --cp 2`` (or with
+no launcher, serially). Rank 0 prints the layout, the loss (a progress bar instead
+when stdout is a terminal), the validation error against the solver and the
+throughput, and writes ``loss.png`` and ``metrics.json`` into ``--out``.
+
+With ``--checkpoint-dir DIR`` the run saves a checkpoint every
+``--checkpoint-every`` steps and at the end (``DIR/step_00000100``, the last
+three kept), and on SIGUSR1 or SIGTERM to any rank saves at the next step
+boundary and exits 0. ``--resume`` continues from the newest complete
+checkpoint in DIR, under any ``--tp/--cp/--dp`` layout; keep ``--steps`` (the
+learning-rate schedule) and the model flags as they were.
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from pympar import manager
+from pympar import checkpoint, manager
 from pympar.collectives import block_slice
 from pympar.modules import (GELU, ColumnParallelLinear, DistributedAttention, LayerNorm, Linear,
                             Linear3D, Module, RowParallelLinear, layout_3d)
 from pympar.optim import AdamW, allreduce_gradients
+from pympar.preemption import Preemption
+
+#: Environment variables that MPI launchers (MPICH, Open MPI, Slurm) set in every rank.
+LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID",
+                      "MPI_LOCALNRANKS")
 
 # ---------------------------------------------------------------- the solver
 
@@ -180,12 +192,26 @@ def tokens(u: np.ndarray, grid_slice: slice, dtype) -> np.ndarray:
     return out
 
 
+def launcher_hint(world: int) -> str:
+    """A hint to start ranks with a launcher, when this is one process started without one."""
+    if world > 1 or any(name in os.environ for name in LAUNCHER_VARIABLES):
+        return ""
+    return ("; this is a single process started without a launcher: run "
+            "`mpiexec -n N python -m mpi4py examples/burgers.py ...` for N ranks")
+
+
 def check_layout(args: argparse.Namespace, world: int) -> None:
     """Reject flags that cannot fit the world size or the model (ValueError, one line)."""
     if args.tp * args.cp * max(args.dp, 1) > world or world % (args.tp * args.cp):
-        raise ValueError(f"--tp {args.tp} x --cp {args.cp} does not divide {world} ranks")
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} does not divide {world} ranks"
+                         + launcher_hint(world))
     if args.dp and args.dp * args.tp * args.cp != world:
-        raise ValueError(f"--tp {args.tp} x --cp {args.cp} x --dp {args.dp} != {world} ranks")
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} x --dp {args.dp} != {world} ranks"
+                         + launcher_hint(world))
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
+        raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
     if args.hidden % args.heads:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.batch < world // (args.tp * args.cp):
@@ -201,13 +227,17 @@ def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dic
     """Generate data, train, validate; return the metrics (the same dict on every rank)."""
     check_layout(args, comm.Get_size())
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
+    # From here on a stop signal only sets a flag (it would otherwise end the process).
+    stop = Preemption(comm) if args.checkpoint_dir is not None else None
     try:
-        return _train(args, comm, state)
+        return _train(args, comm, state, stop)
     finally:
+        if stop is not None:
+            stop.close()
         manager.destroy_parallel()
 
 
-def _train(args, comm, state) -> dict:
+def _train(args, comm, state, stop) -> dict:
     dtype = np.dtype(args.dtype)
     rank = comm.Get_rank()
     dp, cp = state.data.size, state.context.size
@@ -223,6 +253,26 @@ def _train(args, comm, state) -> dict:
     shuffle = np.random.default_rng(args.seed + 2)
     count = args.batch * args.grid  # points in one global batch: the loss is their mean
     losses, show = [], rank == 0 and not args.quiet
+    start_step, saved_step = 0, None
+    if args.resume:
+        found = comm.bcast(checkpoint.latest(args.checkpoint_dir) if rank == 0 else None)
+        if found is not None:
+            start_step, extra = checkpoint.load(found, model, optimizer, comm=comm)
+            shuffle.bit_generator.state = extra["rng"]
+            losses, saved_step = list(extra["losses"]), start_step
+            if show:
+                print(f"resumed from {found} (step {start_step})")
+        elif show:
+            print(f"no complete checkpoint in {args.checkpoint_dir}: starting afresh")
+
+    def save(step: int) -> None:
+        path = os.path.join(args.checkpoint_dir, f"step_{step:08d}")
+        began = time.perf_counter()
+        checkpoint.save(path, model, optimizer, step=step, keep=3, comm=comm,
+                        extra={"rng": shuffle.bit_generator.state, "losses": losses})
+        if show:  # the save time tells how much lead time a stop signal needs
+            print(f"saved {path} in {time.perf_counter() - began:.2f} s", flush=True)
+
     bar = None
     if show:
         print(f"layout  {state.mesh!r}  mode {state.tensor_parallel_mode}  "
@@ -230,41 +280,58 @@ def _train(args, comm, state) -> dict:
         print(f"groups  {state.tensor.name}  {state.context.name}  {state.data.name}")
         print(f"data    {len(u_train)} training pairs, {len(u_val)} validation pairs, "
               f"grid {args.grid}, nu {args.nu}, dt {args.dt}")
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout,
-                       mininterval=1.0)
-        except ImportError:
-            pass
+        if sys.stdout.isatty():  # no carriage-return updates in batch logs
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=args.steps, initial=start_step, desc="train", unit="step",
+                           file=sys.stdout, mininterval=1.0)
+            except ImportError:
+                pass
+    preempted = None
     comm.Barrier()
     start = time.perf_counter()
-    for step in range(args.steps):
-        # cosine decay to a tenth of the initial rate
-        optimizer.lr = args.lr * (0.55 + 0.45 * np.cos(np.pi * step / args.steps))
-        batch = shuffle.choice(len(u_train), args.batch, replace=False)
-        mine = batch[block_slice(args.batch, dp, state.data.rank)]
-        x = tokens(u_train[mine], grid_slice, dtype)
-        target = ((v_train[mine] - u_train[mine])[:, grid_slice].T / scale).astype(dtype)
-        model.zero_grad()
-        err = model.forward(x) - target
-        local = np.array([np.dot(err.ravel(), err.ravel())], dtype=np.float64)
-        loss = float(reduce_group.all_reduce(local)[0]) / count
-        model.backward(err * (2.0 / count))
-        allreduce_gradients(model, reduce_group, average=False)
-        optimizer.step()
-        losses.append(loss)
+    try:
+        for step in range(start_step, args.steps):
+            # cosine decay to a tenth of the initial rate
+            optimizer.lr = args.lr * (0.55 + 0.45 * np.cos(np.pi * step / args.steps))
+            batch = shuffle.choice(len(u_train), args.batch, replace=False)
+            mine = batch[block_slice(args.batch, dp, state.data.rank)]
+            x = tokens(u_train[mine], grid_slice, dtype)
+            target = ((v_train[mine] - u_train[mine])[:, grid_slice].T / scale).astype(dtype)
+            model.zero_grad()
+            err = model.forward(x) - target
+            local = np.array([np.dot(err.ravel(), err.ravel())], dtype=np.float64)
+            loss = float(reduce_group.all_reduce(local)[0]) / count
+            model.backward(err * (2.0 / count))
+            allreduce_gradients(model, reduce_group, average=False)
+            optimizer.step()
+            losses.append(loss)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+                bar.update()
+            elif show and (step % max(args.steps // 10, 1) == 0 or step == args.steps - 1):
+                print(f"step {step:5d}  loss {loss:.5g}", flush=True)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                save(step + 1)
+                saved_step = step + 1
+            if stop is not None and stop.should_stop():
+                preempted = step + 1
+                break
+    finally:
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-            bar.update()
-        elif show and (step % max(args.steps // 10, 1) == 0 or step == args.steps - 1):
-            print(f"step {step:5d}  loss {loss:.5g}")
+            bar.close()
+    done = preempted or args.steps
+    if args.checkpoint_dir is not None and saved_step != done:
+        save(done)
     comm.Barrier()
     seconds = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-        for step in range(0, args.steps, max(args.steps // 10, 1)):
-            print(f"step {step:5d}  loss {losses[step]:.5g}")
-        print(f"step {args.steps - 1:5d}  loss {losses[-1]:.5g}")
+    if preempted is not None:
+        if show:
+            print(f"stopped by a signal: saved step {preempted} in {args.checkpoint_dir}",
+                  flush=True)
+        if stop.requeue() and show:
+            print("asked Slurm to requeue the job")
+        return {"preempted_at": preempted, "losses": losses, "steps": args.steps}
 
     # Validation: one-step prediction against the solver, and doing nothing as a baseline.
     sums = np.zeros(3)
@@ -284,14 +351,14 @@ def _train(args, comm, state) -> dict:
         "val_rel_l2_of_change": float(np.sqrt(sums[0] / sums[1])),
         "persistence_rel_l2": float(np.sqrt(sums[1] / sums[2])),
         "seconds": seconds,
-        "samples_per_second": args.steps * args.batch / seconds,
+        "samples_per_second": (args.steps - start_step) * args.batch / max(seconds, 1e-9),
     }
     if show:
         print(f"validation  one-step relative L2 error {metrics['val_rel_l2']:.3e} "
               f"(persistence baseline {metrics['persistence_rel_l2']:.3e}; "
               f"{metrics['val_rel_l2_of_change']:.3f} of the true change)")
         print(f"throughput  {metrics['samples_per_second']:.1f} samples/s "
-              f"({seconds:.1f} s for {args.steps} steps on {comm.Get_size()} ranks)")
+              f"({seconds:.1f} s for {args.steps - start_step} steps on {comm.Get_size()} ranks)")
     return metrics
 
 
@@ -320,7 +387,7 @@ def write_outputs(metrics: dict, out: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The example's flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (a cube in 3d mode)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (splits grid points)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: the rest)")
@@ -341,7 +408,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/burgers"))
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here (and on SIGUSR1/SIGTERM, then exit 0)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save every N steps (0: only at the end or on a signal)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
     return p.parse_args(argv)
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """Argument errors printed once, by rank 0, and flushed before the exit (and any abort)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        """Print the usage and ``message`` on rank 0, then exit with status 2 on every rank."""
+        world = MPI.COMM_WORLD
+        if world.Get_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}{launcher_hint(world.Get_size())}",
+                  file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def main(argv=None) -> int:
@@ -357,9 +443,9 @@ def main(argv=None) -> int:
         metrics = train(args, comm)
     except ValueError as err:
         if comm.Get_rank() == 0:
-            print(f"burgers.py: error: {err}", file=sys.stderr)
+            print(f"burgers.py: error: {err}", file=sys.stderr, flush=True)
         return 2
-    if comm.Get_rank() == 0:
+    if comm.Get_rank() == 0 and "preempted_at" not in metrics:
         write_outputs(metrics, args.out)
     return 0
 

@@ -2,7 +2,12 @@
 
 Updates are in place on ``Parameter.data``; optimizer state is allocated once at construction
 in the parameter's array module (NumPy or CuPy) and dtype. Parameters whose ``grad`` is
-``None`` are skipped by ``step``.
+``None``, and frozen parameters (``requires_grad=False``), are skipped by ``step``.
+
+``state_dict()`` / ``load_state_dict()`` follow torch's spirit: a plain dict with the
+optimizer's type, its hyperparameters and, per parameter position, the step count and the
+moment arrays (shaped like the parameter's shard). Loading checks everything before it
+changes anything.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Iterable, Union
 
+from pympar._optim_state import StateDictMixin
 from pympar.modules.core import Module, Parameter, as_parameter_list
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients"]
@@ -19,7 +25,7 @@ __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients"]
 ParamsLike = Union[Module, Iterable[Parameter]]
 
 
-class Optimizer:
+class Optimizer(StateDictMixin):
     """Base class: holds a de-duplicated parameter list and per-dtype scratch buffers.
 
     Parameters
@@ -97,12 +103,35 @@ class SGD(Optimizer):
         self.momentum_buffers = [_zeros_like(p.data) if momentum else None for p in self.params]
         self.steps = [0] * len(self.params)
 
+    hyperparameter_names = ("lr", "momentum", "weight_decay")
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        """tuple of str: ``("momentum_buffer",)`` with momentum, else empty."""
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def _moments(self, key: str) -> list[Any]:
+        return self.momentum_buffers
+
+    def _check_hyperparameters(self, hyper: dict[str, Any]) -> dict[str, Any]:
+        out = super()._check_hyperparameters(hyper)
+        for name in ("momentum", "weight_decay"):
+            value = hyper[name]
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"SGD.load_state_dict: {name} must be a number >= 0, got "
+                                 f"{value!r}")
+            out[name] = float(value)
+        if bool(out["momentum"]) != bool(self.momentum):
+            raise ValueError(f"SGD.load_state_dict: momentum {out['momentum']} cannot replace "
+                             f"{self.momentum} (momentum buffers exist only with momentum > 0)")
+        return out
+
     def step(self) -> None:
         """Apply one SGD update."""
         from pympar.backend import array_module
 
         for i, p in enumerate(self.params):
-            if p.grad is None:
+            if p.grad is None or not p.requires_grad:
                 continue
             xp = array_module(p.data)
             g = p.grad
@@ -158,13 +187,31 @@ class Adam(Optimizer):
         self.exp_avg_sq = [_zeros_like(p.data) for p in self.params]
         self.steps = [0] * len(self.params)
 
+    state_keys = ("exp_avg", "exp_avg_sq")
+    hyperparameter_names = ("lr", "betas", "eps", "weight_decay")
+
+    def _check_hyperparameters(self, hyper: dict[str, Any]) -> dict[str, Any]:
+        out = super()._check_hyperparameters(hyper)
+        where = f"{type(self).__name__}.load_state_dict"
+        betas = hyper["betas"]
+        if (not isinstance(betas, tuple) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
+        out["betas"] = (float(betas[0]), float(betas[1]))
+        for name in ("eps", "weight_decay"):
+            value = hyper[name]
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{where}: {name} must be a number >= 0, got {value!r}")
+            out[name] = float(value)
+        return out
+
     def step(self) -> None:
         """Apply one Adam (or AdamW) update."""
         from pympar.backend import array_module
 
         b1, b2 = self.betas
         for i, p in enumerate(self.params):
-            if p.grad is None:
+            if p.grad is None or not p.requires_grad:
                 continue
             xp = array_module(p.data)
             self.steps[i] += 1
@@ -293,13 +340,13 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
     -----
     A parameter whose ``grad`` is ``None`` contributes zeros, and receives the reduced gradient,
     so that every rank sends identically shaped buckets even when a parameter went unused
-    on some rank.
+    on some rank. Frozen parameters (``requires_grad=False``) are left out entirely.
     """
     if group is None or group.size == 1:
         return
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    params = as_parameter_list(module_or_params)
+    params = [p for p in as_parameter_list(module_or_params) if p.requires_grad]
     state = _buckets_for(params, bucket_bytes)
     for flat, layout in state.buckets:
         _pack(flat, [params[i] for i, _, _ in layout])

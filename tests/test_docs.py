@@ -42,6 +42,8 @@ API_PAGES = {
     "zero": "ZeroRedundancyOptimizer",
     "amp": "GradScaler",
     "memory": "memory_report",
+    "checkpoint": "latest",
+    "preemption": "Preemption",
 }
 
 

@@ -170,3 +170,109 @@ def test_allreduce_trivial_groups():
     group = FakeGroup(1)
     allreduce_gradients([p], group)
     assert group.buffers == [] and np.array_equal(p.grad, np.ones(3))
+
+
+# -- state_dict / load_state_dict, frozen parameters -------------------------------------
+
+
+def train_steps(opt, params, steps, first=0):
+    for step in range(first, first + steps):
+        for p, g in zip(params, grads_at(step, params)):
+            p.grad = g
+        opt.step()
+
+
+@pytest.mark.parametrize("cls, kwargs", [(SGD, {"lr": 0.1, "momentum": 0.9}),
+                                         (SGD, {"lr": 0.1}),
+                                         (Adam, {"lr": 0.01, "weight_decay": 0.1}),
+                                         (AdamW, {"lr": 0.01, "betas": (0.8, 0.9)})])
+def test_state_dict_resume_is_bitwise(cls, kwargs):
+    params = make_params()
+    opt = cls(params, **kwargs)
+    train_steps(opt, params, 4)
+    straight = [p.data.copy() for p in params]
+
+    params = make_params()
+    opt = cls(params, **kwargs)
+    train_steps(opt, params, 2)
+    saved = {k: v for k, v in opt.state_dict().items()}
+    saved["state"] = {i: {k: (v.copy() if hasattr(v, "copy") else v) for k, v in e.items()}
+                      for i, e in saved["state"].items()}
+    data = [p.data.copy() for p in params]
+    fresh = [Parameter(d) for d in data]
+    opt2 = cls(fresh, lr=123.0, **{k: v for k, v in kwargs.items() if k != "lr"})
+    opt2.load_state_dict(saved)
+    assert opt2.lr == kwargs["lr"] and opt2.steps == [2, 2]
+    train_steps(opt2, fresh, 2, first=2)
+    for a, b in zip(fresh, straight):
+        assert a.data.tobytes() == b.tobytes()
+
+
+def test_state_dict_shapes_and_keys():
+    params = make_params()
+    opt = Adam(params)
+    sd = opt.state_dict()
+    assert sd["type"] == "Adam" and set(sd["hyperparameters"]) == {"lr", "betas", "eps",
+                                                                   "weight_decay"}
+    assert sd["state"][0]["exp_avg"].shape == (3, 4) and sd["state"][1]["step"] == 0
+
+
+def test_load_state_dict_refuses_bad_input_and_changes_nothing():
+    params = make_params()
+    opt = Adam(params, lr=0.5)
+    train_steps(opt, params, 1)
+    before = [m.copy() for m in opt.exp_avg]
+    with pytest.raises(TypeError, match="expected the dict returned by state_dict\\(\\), got list"):
+        opt.load_state_dict([1, 2])
+    sd = opt.state_dict()
+    bad = dict(sd, state={0: dict(sd["state"][0]), 1: dict(sd["state"][1], exp_avg=np.zeros(4))})
+    bad["hyperparameters"] = dict(sd["hyperparameters"], lr=0.0)
+    with pytest.raises(ValueError, match=r"state\[1\] .*\['exp_avg'\] has shape \(4,\)"):
+        opt.load_state_dict(bad)
+    bad = dict(sd, state={0: dict(sd["state"][0], exp_avg=[0.0] * 12), 1: sd["state"][1]})
+    with pytest.raises(TypeError, match=r"state\[0\] .*\['exp_avg'\] must be an array, got list"):
+        opt.load_state_dict(bad)
+    with pytest.raises(ValueError, match="state of a 'SGD' optimizer"):
+        opt.load_state_dict(dict(sd, type="SGD"))
+    with pytest.raises(ValueError, match="betas must be two numbers"):
+        opt.load_state_dict(dict(sd, hyperparameters=dict(sd["hyperparameters"], betas=[1.5, 0])))
+    with pytest.raises(ValueError, match="one per parameter position"):
+        opt.load_state_dict(dict(sd, state={0: sd["state"][0]}))
+    assert opt.lr == 0.5 and opt.steps == [1, 1]
+    assert all(np.array_equal(a, b) for a, b in zip(opt.exp_avg, before))
+
+
+@pytest.mark.parametrize("cls", [SGD, Adam, AdamW])
+def test_frozen_parameters_are_skipped(cls):
+    params = make_params()
+    params[0].requires_grad = False
+    frozen = params[0].data.copy()
+    opt = cls(params, lr=0.1, weight_decay=0.1)
+    params[0].grad = np.ones_like(frozen)
+    train_steps(opt, params[1:], 1)
+    params[0].grad = np.ones_like(frozen)
+    opt.step()
+    assert np.array_equal(params[0].data, frozen) and opt.steps[0] == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_gradients_skips_frozen():
+    from mpi4py import MPI
+
+    from pympar import manager
+
+    state = manager.initialize_parallel(1, 1)
+    try:
+        params = make_params()
+        params[0].requires_grad = False
+        rank = MPI.COMM_WORLD.rank
+        params[0].grad = np.full(params[0].shape, float(rank))
+        params[1].grad = np.full(params[1].shape, float(rank))
+        allreduce_gradients(params, state.data)
+        n = state.data.size
+        ok = (np.all(params[0].grad == rank)
+              and np.allclose(params[1].grad, (n - 1) / 2.0))
+        from mpi_helpers import agree
+        agree(ok, f"grads {params[0].grad.ravel()[:1]} {params[1].grad.ravel()[:1]}")
+    finally:
+        manager.destroy_parallel()

@@ -1,0 +1,251 @@
+"""Checkpoint save and load bandwidth on 1, 2 and 4 ranks, against the disk and torch DCP.
+
+Run on 4 ranks (the 1- and 2-rank figures use the first ranks of the job while the others
+sleep)::
+
+    PYTHONPATH=. mpiexec -n 4 python -m mpi4py benchmarks/bench_checkpoint.py \\
+        [--size 1GiB | --quick] [--repeats 3] [--dir DIR] [--json PATH]
+
+The state is a model of ``float32`` weights ``(rows, 4096)`` plus AdamW's two moments
+(``--size`` in all, about a third each), split over the ranks like tensor-parallel layers:
+half the weights by rows (Column-parallel: one contiguous block per rank in the file), half
+by columns (Row-parallel: one run of ``4096 / ranks`` values per row). Variants,
+interleaved round by round, each a median over rounds, each rate = state bytes / seconds
+of the slowest rank:
+
+* ``disk write`` / ``disk read``: one process writes the same number of bytes to one file
+  in 8 MiB ``os.write`` calls and ``fsync`` s it, then reads it back (the disk's own figure
+  in this run; reads of freshly written data come from the page cache, as for the loads);
+* ``pympar save`` (:func:`pympar.checkpoint.save`, fsync'd and committed);
+* ``pympar load same layout`` and ``pympar load other layout`` (each weight split along
+  its other axis: every rank reads other byte ranges than it wrote);
+* ``torch DCP save`` / ``torch DCP load`` (``torch.distributed.checkpoint`` over gloo, each
+  rank's shards as its own tensors) when torch is installed.
+
+It also reports the peak extra memory per rank of one save and one load (``tracemalloc``:
+NumPy's allocations, not the page cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+from pympar import checkpoint  # noqa: E402
+from pympar.modules import Module, Parameter  # noqa: E402
+from pympar.optim import AdamW  # noqa: E402
+from pympar.partition import Placement, Split  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+TENSORS = 8  # weights; each has two Adam moments
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"``, ``"48MiB"`` or a byte count."""
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[:-len(unit)]) * factor)
+    return int(text)
+
+
+def build(comm: MPI.Comm, rows: int, cols: int, swap: bool) -> tuple[Module, AdamW]:
+    """The model, weights split alternately along axes 0 and 1 (swapped: 1 and 0), with AdamW
+    state."""
+    model = Module()
+    for i in range(TENSORS):
+        axis = (i + swap) % 2
+        place = Placement((rows, cols), (Split(axis, comm.Get_size(), comm.Get_rank()),))
+        data = np.full(place.local_shape, float(i), dtype=np.float32)
+        setattr(model, f"w{i}", Parameter(data, placement=place))
+    opt = AdamW(model.parameters(), lr=1e-3)
+    for m in opt.exp_avg + opt.exp_avg_sq:
+        m[...] = 0.5
+    return model, opt
+
+
+def disk(path: str, nbytes: int, write: bool) -> float:
+    """Seconds for one process to write (with fsync) or read ``nbytes`` in 8 MiB calls."""
+    chunk = np.ones(8 * 2**20, dtype=np.uint8)
+    view = memoryview(chunk)
+    start = time.perf_counter()
+    fd = os.open(path, (os.O_CREAT | os.O_WRONLY | os.O_TRUNC) if write else os.O_RDONLY, 0o644)
+    try:
+        left = nbytes
+        while left:
+            n = min(left, len(view))
+            done = os.write(fd, view[:n]) if write else os.readv(fd, [view[:n]])
+            left -= done
+        if write:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def timed(comm: MPI.Comm, fn) -> float:
+    comm.Barrier()
+    start = time.perf_counter()
+    fn()
+    return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+def measure(comm: MPI.Comm, size: int, repeats: int, root: str) -> dict:
+    """All variants on the ranks of ``comm``; rates in GB/s."""
+    ranks = comm.Get_size()
+    cols = 4096
+    rows = max(size // (3 * TENSORS * cols * 4), ranks)
+    nbytes = 3 * TENSORS * rows * cols * 4
+    model, opt = build(comm, rows, cols, swap=False)
+    other, other_opt = build(comm, rows, cols, swap=True)
+    where = os.path.join(root, f"p{ranks}")
+    counter = [0]
+
+    def fresh() -> str:
+        counter[0] += 1
+        return os.path.join(where, f"c{counter[0]}")
+
+    saved = checkpoint.save(fresh(), model, opt, comm=comm)
+    torch_dcp = _torch(comm, model, opt, where)
+
+    def sample_save() -> float:
+        path = fresh()
+        seconds = timed(comm, lambda: checkpoint.save(path, model, opt, comm=comm))
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(path)
+        return seconds
+
+    samplers = {
+        "disk write": lambda: comm.bcast(disk(os.path.join(where, "raw"), nbytes, True)
+                                         if comm.Get_rank() == 0 else None),
+        "disk read": lambda: comm.bcast(disk(os.path.join(where, "raw"), nbytes, False)
+                                        if comm.Get_rank() == 0 else None),
+        "pympar save": sample_save,
+        "pympar load same layout": lambda: timed(
+            comm, lambda: checkpoint.load(saved, model, opt, comm=comm)),
+        "pympar load other layout": lambda: timed(
+            comm, lambda: checkpoint.load(saved, other, other_opt, comm=comm)),
+    }
+    if torch_dcp is not None:
+        samplers.update(torch_dcp)
+    samples = common.interleaved(samplers, repeats, 1, comm)
+    rates = {name: nbytes / common.median(s) / 1e9 for name, s in samples.items()}
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    path = checkpoint.save(fresh(), model, opt, comm=comm)
+    save_peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.reset_peak()
+    checkpoint.load(path, other, other_opt, comm=comm)
+    load_peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    shard = max(p.data.nbytes for p in model.parameters())
+    return {"ranks": ranks, "state_bytes": nbytes, "gbps": rates,
+            "seconds": {k: common.median(v) for k, v in samples.items()},
+            "peak_extra_bytes": {"save": comm.allreduce(save_peak, op=MPI.MAX),
+                                 "load": comm.allreduce(load_peak, op=MPI.MAX)},
+            "largest_shard_bytes": shard, "buffer_bytes": checkpoint.BUFFER_BYTES}
+
+
+def _torch(comm: MPI.Comm, model: Module, opt: AdamW, where: str):
+    """Samplers for torch.distributed.checkpoint, or None without torch."""
+    torch, reason = common.import_torch_distributed()
+    if torch is None:
+        common.say(comm, f"torch DCP skipped: {reason}")
+        return None
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        common.init_torch_gloo(WORLD)
+    group = dist.new_group(list(range(comm.Get_size())))  # collective on every rank of WORLD
+    rank = comm.Get_rank()
+    state = {}
+    for i, p in enumerate(model.parameters()):
+        for key, arr in (("w", p.data), ("m", opt.exp_avg[i]), ("v", opt.exp_avg_sq[i])):
+            state[f"{key}{i}.rank{rank}"] = torch.from_numpy(arr)
+    counter = [0]
+
+    def save() -> float:
+        counter[0] += 1
+        path = os.path.join(where, f"dcp{counter[0]}")
+        seconds = timed(comm, lambda: dcp.save(state, checkpoint_id=path, process_group=group))
+        return seconds
+
+    def load() -> float:
+        path = os.path.join(where, f"dcp{max(counter[0], 1)}")
+        if not os.path.exists(path):
+            save()
+        return timed(comm, lambda: dcp.load(state, checkpoint_id=path, process_group=group))
+
+    return {"torch DCP save": save, "torch DCP load": load}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="1GiB", help="model + Adam state bytes (e.g. 1GiB, 48MiB)")
+    p.add_argument("--quick", action="store_true", help="48 MiB, 2 repeats")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    size, repeats = (48 * 2**20, 2) if args.quick else (parse_size(args.size), args.repeats)
+    root = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-bench-ckpt-", dir=args.dir)
+                       if WORLD.rank == 0 else None)
+    results = []
+    try:
+        for ranks in sorted({1, 2, 4} & set(range(1, WORLD.size + 1))):
+            sub = WORLD.Split(0 if WORLD.rank < ranks else MPI.UNDEFINED, WORLD.rank)
+            if sub != MPI.COMM_NULL:
+                results.append(measure(sub, size, repeats, root))
+                sub.Free()
+            common.sleep_barrier(WORLD)
+    finally:
+        WORLD.Barrier()
+        if WORLD.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    machine = common.machine_info()  # collective over WORLD
+    if WORLD.rank == 0:
+        for r in results:
+            print(f"{r['ranks']} rank(s), {r['state_bytes'] / 2**30:.2f} GiB state: " + ", ".join(
+                f"{k} {v:.2f} GB/s" for k, v in r["gbps"].items()))
+            print(f"   peak extra per rank: save {r['peak_extra_bytes']['save'] / 2**20:.1f} MiB, "
+                  f"load {r['peak_extra_bytes']['load'] / 2**20:.1f} MiB (largest shard "
+                  f"{r['largest_shard_bytes'] / 2**20:.1f} MiB, buffer "
+                  f"{r['buffer_bytes'] / 2**20:.0f} MiB)")
+        common.write_json(args.json, {"benchmark": "checkpoint", "machine": machine,
+                                      "size": size, "repeats": repeats, "results": results,
+                                      "ratios": _ratios(results)})
+    return 0
+
+
+def _ratios(results: list[dict]) -> list[dict]:
+    out = []
+    for r in results:
+        g = r["gbps"]
+        row = {"ranks": r["ranks"],
+               "save_vs_disk_write": g["pympar save"] / g["disk write"],
+               "load_other_vs_same": g["pympar load same layout"] / g["pympar load other layout"]}
+        if "torch DCP save" in g:
+            row["save_vs_torch_dcp"] = g["pympar save"] / g["torch DCP save"]
+            row["load_vs_torch_dcp"] = g["pympar load same layout"] / g["torch DCP load"]
+        out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""What save and load share: the logical tensors, the ranks' agreement, the replica split.
+
+The ranks agree on every verdict with one small all-reduce (:func:`agree`), so a failure on
+one rank raises the same :class:`~pympar.checkpoint.format.CheckpointError` on all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..partition import Placement
+from .files import replica_share
+from .format import CheckpointError, stored_dtype
+
+_MESSAGE_BYTES = 2048
+
+
+@dataclass
+class Tensor:
+    name: str
+    placement: Placement
+    array: Any  # this rank's shard (NumPy or CuPy), viewed as the stored dtype's kind
+    logical: np.dtype
+    stored: np.dtype
+
+
+def default_comm(comm: Any) -> MPI.Intracomm:
+    if comm is not None:
+        return getattr(comm, "comm", comm)
+    from .. import manager
+
+    return manager.get_parallel_state().mesh.comm if manager.is_initialized() else MPI.COMM_WORLD
+
+
+def agree(comm: MPI.Intracomm, error: str | None) -> None:
+    """Raise one ``CheckpointError`` on every rank when any rank has an error.
+
+    The lowest failing rank's message is sent to all (as bytes: nothing is pickled).
+    """
+    size = comm.Get_size()
+    flag = np.array([comm.Get_rank() if error else size], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
+    root = int(flag[0])
+    if root == size:
+        return
+    message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
+    if error:
+        raw = error.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        message[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    if size > 1:
+        comm.Bcast(message, root=root)
+    text = bytes(message).rstrip(b"\0").decode("utf-8", "replace")
+    raise CheckpointError(text + (f" [rank {root}]" if size > 1 else ""))
+
+
+def attempt(comm: MPI.Intracomm, func: Any, *args: Any) -> Any:
+    """Run ``func`` on this rank, then agree: all ranks raise if any failed."""
+    result, error = None, None
+    try:
+        result = func(*args)
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
+        error = f"{type(err).__name__}: {err}"
+    agree(comm, error)
+    return result
+
+
+def check_placement(name: str, p: Any) -> None:
+    # Until every layer carries a placement, a sharded parameter without one would be taken
+    # for a replica and saved wrongly: refuse it. (partition_dim/group go away with that work.)
+    group = getattr(p, "group", None)
+    sharded = getattr(p, "partition_dim", None) is not None or group is not None
+    if sharded and getattr(group, "size", 1) > 1 and p.placement.replicated:
+        raise CheckpointError(f"parameter {name!r} is sharded over {group.name} but has no "
+                              "placement (its layer does not set Parameter.placement yet)")
+
+
+def tensors_of(model: Any, optimizer: Any) -> tuple[list[Tensor], dict | None]:
+    """The logical tensors of a model (and optimizer), with this rank's shards."""
+    out, by_id = [], {}
+    for name, p in model.named_parameters():
+        check_placement(name, p)
+        out.append(make(name, p.placement, p.data))
+        by_id[id(p)] = name
+    if optimizer is None:
+        return out, None
+    state = optimizer.state_dict()
+    steps = {}
+    for i, p in enumerate(optimizer.params):
+        name = by_id.get(id(p))
+        if name is None:
+            raise CheckpointError(f"the optimizer's parameter {i} ({p.name}) is not a parameter "
+                                  "of the model")
+        steps[name] = state["state"][i]["step"]
+        for key, value in state["state"][i].items():
+            if key != "step":
+                out.append(make(f"optimizer/{name}/{key}", p.placement, value))
+    meta = {"type": state["type"], "hyperparameters": state["hyperparameters"], "steps": steps}
+    return out, meta
+
+
+def make(name: str, placement: Placement, array: Any) -> Tensor:
+    logical = np.dtype(array.dtype)
+    stored = stored_dtype(logical)
+    if stored.kind != logical.kind:  # bfloat16 travels as its uint16 bit pattern
+        array = array.view(stored)
+    return Tensor(name, placement, array, logical, stored)
+
+
+def signature(tensors: list[Tensor]) -> int:
+    text = repr([(t.name, t.placement.shape, t.stored.str) for t in tensors])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def block_key(t: Tensor) -> int:
+    boxes = [tuple((s.start, s.stop) for s in g) for g, _ in t.placement.pieces()]
+    return int.from_bytes(hashlib.blake2b(repr(boxes).encode(), digest_size=7).digest(), "little")
+
+
+def shares(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[list[tuple]]:
+    """Per tensor, the ``(global box, local box)`` pieces this rank writes (or verifies).
+
+    One all-gather of a small key per tensor finds the ranks holding the same block; they split
+    it. The distinct blocks must tile the full array exactly.
+    """
+    size = comm.Get_size()
+    mine = np.array([[block_key(t), math.prod(t.placement.local_shape)] for t in tensors],
+                    dtype=np.int64).reshape(len(tensors), 2)
+    every = np.empty((size, len(tensors), 2), dtype=np.int64)
+    comm.Allgather(mine, every)
+    rank, out = comm.Get_rank(), []
+    for i, t in enumerate(tensors):
+        keys = every[:, i, 0]
+        holders = np.flatnonzero(keys == keys[rank])
+        _, first = np.unique(keys, return_index=True)
+        if int(every[first, i, 1].sum()) != math.prod(t.placement.shape):
+            raise CheckpointError(f"tensor {t.name!r}: the ranks' blocks do not tile its full "
+                                  f"shape {t.placement.shape} (inconsistent placements)")
+        count, index = len(holders), int(np.searchsorted(holders, rank))
+        pieces = []
+        for g, lo in t.placement.pieces():
+            share = replica_share(g, count, index)
+            if share is None:
+                continue
+            local = tuple(slice(l.start + s.start - gg.start, l.start + s.stop - gg.start)
+                          for l, s, gg in zip(lo, share, g))
+            pieces.append((share, local))
+        out.append(pieces)
+    return out
+
+
+def file_name(i: int) -> str:
+    return f"t{i:05d}.npy"
+
+
+def optimizer_names(model: Any, optimizer: Any) -> list[str]:
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id[id(p)] for p in optimizer.params]
+
+
+class open_fd:
+    """A read-only file descriptor as a context manager."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+
+    def __enter__(self) -> int:
+        return self.fd
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)
