@@ -23,24 +23,11 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import WORLD, agree
-from pympar import checkpoint, manager
-from pympar.modules import ColumnParallelLinear
+from pympar import checkpoint
 from test_examples import TINY, load
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [a for a in TINY if a != "--quiet"] + ["--quiet"]
-
-
-def tp_has_placements() -> bool:
-    """Whether tensor-parallel layers set ``Parameter.placement`` (the "mods" work)."""
-    manager.initialize_parallel(1, 1, comm=MPI.COMM_SELF)
-    try:
-        layer = ColumnParallelLinear(4, 4)
-        return layer.weight.placement is not None and not (
-            getattr(layer.weight, "partition_dim", None) is not None
-            and layer.weight.placement.splits == ())
-    finally:
-        manager.destroy_parallel()
 
 
 @pytest.fixture
@@ -101,12 +88,8 @@ def test_resume_under_other_layouts(shared_dir):
     burgers = load("burgers")
     steps = ["--steps", "6"]
     reference = run(burgers, steps, MPI.COMM_SELF)["losses"]
-    bad, waiting = [], []
+    bad = []
     for i, (saved, targets) in enumerate(resume_cases(WORLD.size)):
-        if "--tp" in saved and not tp_has_placements():
-            # Waits for the merge of the "mods" work: Column/Row/Linear3D placements.
-            waiting.append(saved)
-            continue
         root = os.path.join(shared_dir, str(i))
         run(burgers, saved + steps + ["--checkpoint-dir", os.path.join(root, "src"),
                                       "--checkpoint-every", "3"])
@@ -124,8 +107,6 @@ def test_resume_under_other_layouts(shared_dir):
                 if not np.allclose(got, reference, rtol=1e-12, atol=1e-12):
                     bad.append(f"{saved} -> {target} on {ranks}: {got} vs {reference}")
     agree(not bad, "; ".join(bad))
-    if waiting:
-        pytest.skip(f"saving at {waiting} waits for tensor-parallel placements (mods merge)")
 
 
 def launch(n, args, **kwargs):

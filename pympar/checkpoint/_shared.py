@@ -73,21 +73,10 @@ def attempt(comm: MPI.Intracomm, func: Any, *args: Any) -> Any:
     return result
 
 
-def check_placement(name: str, p: Any) -> None:
-    # Until every layer carries a placement, a sharded parameter without one would be taken
-    # for a replica and saved wrongly: refuse it. (partition_dim/group go away with that work.)
-    group = getattr(p, "group", None)
-    sharded = getattr(p, "partition_dim", None) is not None or group is not None
-    if sharded and getattr(group, "size", 1) > 1 and p.placement.replicated:
-        raise CheckpointError(f"parameter {name!r} is sharded over {group.name} but has no "
-                              "placement (its layer does not set Parameter.placement yet)")
-
-
 def tensors_of(model: Any, optimizer: Any) -> tuple[list[Tensor], dict | None]:
     """The logical tensors of a model (and optimizer), with this rank's shards."""
     out, by_id = [], {}
     for name, p in model.named_parameters():
-        check_placement(name, p)
         out.append(make(name, p.placement, p.data))
         by_id[id(p)] = name
     if optimizer is None:
