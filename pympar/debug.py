@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -44,6 +45,8 @@ __all__ = [
     "get_timeout",
     "debug_mode",
     "check",
+    "verify",
+    "describe",
     "wait",
 ]
 
@@ -300,3 +303,41 @@ def check(group: Any, signature: tuple, display: str, timeout: float | None = No
         f"ranks of group {group.name!r} disagree on a collective (this is "
         f"{_where(group, group.rank)}, calling {display}); ranks {differ} differ from "
         f"rank 0. Calls: {calls}")
+
+
+def describe(call: str, label: str | None) -> str:
+    """A call in words for error messages: ``call`` plus the label it ran under, if any."""
+    return f"{call} in {label}" if label else call
+
+
+def verify(group: Any, signature: tuple, display: str, out: Any, x: Any) -> None:
+    """The full debug-mode check of a collective: :func:`check`, plus an overlapping ``out``.
+
+    Whether ``out`` overlaps the input is a fact only this rank can see; it goes into the
+    compared signature, so that a rank about to refuse it makes every rank raise instead
+    of leaving the others waiting.
+
+    Parameters
+    ----------
+    group : Group
+        The group the call is about to run on.
+    signature : tuple
+        What must be equal on every rank.
+    display : str
+        The call in words (:func:`describe`).
+    out, x : array or None
+        The call's ``out`` and input.
+
+    Raises
+    ------
+    CollectiveMismatchError
+        On every rank, when the ranks' signatures differ.
+    ValueError
+        When ``out`` overlaps ``x`` without being ``x``.
+    """
+    overlap = (out is not None and out is not x and type(out) is type(x)
+               and bool(sys.modules[type(x).__module__.split(".")[0]].may_share_memory(out, x)))
+    check(group, (signature, overlap), f"{display}, out overlaps input: {overlap}", _timeout)
+    if overlap:
+        raise ValueError(f"{display} on group {group.name!r}: out overlaps the input without "
+                         f"being the input itself")
