@@ -29,11 +29,12 @@ Notes
   compares every call, whatever its size, and names what each rank passed.
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
   units of a contiguous derived datatype (gathers, all-to-all) or in chunks
-  (all-reduce, broadcast; built-in reductions refuse derived datatypes).
+  (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
+  reduce-scatter is an all-reduce that keeps this rank's block.
 * dtypes: bool reduces with logical or (sum, max) and and (min), as NumPy's ufuncs do;
   float16 and bfloat16 sum in float32; complex has no max/min. ``max``/``min`` with NaN
-  give what MPI gives (MPICH: NaN only where the first rank's value is NaN), not
-  NumPy's propagation: test ``numpy.isnan`` first where that matters.
+  give what MPI gives, not NumPy's propagation (whether a NaN survives depends on the
+  library and the order it combines ranks in): test ``numpy.isnan`` first where it matters.
 * CuPy: device buffers go to MPI directly when :func:`pympar.backend.cuda_aware`, else
   through pinned host buffers (:func:`pympar.backend.to_wire`).
 """
@@ -191,7 +192,7 @@ def _finish(group: Any, plan: Plan, key: tuple, shape: tuple[int, ...],
 
 def _mpi(group: Any, method: str, args: tuple, what: str) -> None:
     """Run ``comm.<method>(*args)``, or under a timeout its non-blocking twin, polled."""
-    timeout = debug.get_timeout()
+    timeout = debug.get_timeout() if _hooked else None
     try:
         if timeout is None:
             getattr(group.comm, method)(*args)
@@ -210,11 +211,21 @@ def _mpi(group: Any, method: str, args: tuple, what: str) -> None:
 
 def _agree(group: Any, plan: Plan, name: str | None, x: Any) -> None:
     """One 16-byte Allreduce: do all ranks pass the same key (and label)?"""
-    s = plan.sig << 31 | (zlib.crc32(name.encode()) & 0x7FFFFFFF if name else 0)
-    seen = np.array([s, -s], np.int64)
+    s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
+    seen = _SEEN
+    seen[0], seen[1] = s, -s
     _mpi(group, "Allreduce", (_IN_PLACE, [seen, MPI.INT64_T], MPI.MAX), plan.shown)
     if seen[0] != s or seen[1] != -s:  # max == min == s on every rank, or a mismatch
         _mismatch(group, plan.key, name, plan.shown, x)
+
+
+_SEEN = np.empty(2, np.int64)
+_LABELS: dict[str, int] = {}
+
+
+def _label_sig(name: str) -> int:
+    sig = _LABELS[name] = zlib.crc32(name.encode()) & 0x7FFFFFFF or 1
+    return sig
 
 
 def _mismatch(group: Any, key: tuple, name: str | None, shown: str, x: Any) -> None:

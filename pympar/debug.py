@@ -1,6 +1,8 @@
 """Debug mode and timeouts for pympar collectives.
 
-Two independent switches, both off by default and both read once at import:
+Without either switch, collectives above :data:`pympar.collectives.CHECK_BYTES` already
+check, cheaply, that every rank makes the same call (see :mod:`pympar.collectives`).
+Two independent switches, both off by default and both read once at import, go further:
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
     Before every collective and every mapping, the ranks of the group exchange
@@ -13,7 +15,8 @@ Two independent switches, both off by default and both read once at import:
 ``PYMPAR_TIMEOUT=seconds`` (or :func:`set_timeout`)
     Collectives run as their non-blocking variants and are polled until done;
     one that is not complete in time raises :class:`CollectiveTimeoutError`
-    naming the operation, the group and the rank. Every rank of a group must
+    naming the operation, the group and the rank. Every call is then checked for
+    agreement, whatever its size. Every rank of a group must
     use the same setting: MPI never matches a non-blocking collective with a
     blocking one. After a timeout the group's communicator has a pending
     operation and cannot be used again; the error is meant to end the run
