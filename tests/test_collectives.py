@@ -15,7 +15,6 @@ import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import backend, collectives
-from pympar.collectives import balanced_sizes
 from pympar.debug import CollectiveMismatchError
 from pympar.mesh import Mesh
 
@@ -67,6 +66,11 @@ def laid_out(a: np.ndarray, layout: str, xp: Any) -> Any:
     view = big[..., 1::2]
     view[...] = xp.asarray(a)
     return view
+
+
+def split_sizes(n: int, parts: int) -> tuple[int, ...]:
+    """Extents of ``numpy.array_split`` of ``n`` items into ``parts`` (the sizes= argument)."""
+    return tuple(len(block) for block in np.array_split(np.empty(n), parts))
 
 
 def piece(a: np.ndarray, parts: int, axis: int, rank: int) -> np.ndarray:
@@ -201,7 +205,7 @@ def test_all_gather_balanced(xp, group, axis):
                 what = f"{dtype} {shape} axis {axis} {layout}"
                 check.equal(group.all_gather(x, axis), full, what)
                 out = xp.empty(shape, dtype)
-                y = group.all_gather(x, axis, out=out, sizes=balanced_sizes(n, p))
+                y = group.all_gather(x, axis, out=out, sizes=split_sizes(n, p))
                 check.true(y is out, what + " returns out")
                 check.equal(out, full, what + " sizes= out=")
     check.done()
@@ -278,10 +282,10 @@ def test_all_to_all_and_round_trip(xp, group, split_axis, concat_axis):
                 check.equal(y, expected, what)
                 out = xp.empty(expected.shape, dtype)
                 check.true(group.all_to_all(x, split_axis, concat_axis, out=out,
-                                            sizes=balanced_sizes(n, p)) is out, what + " out")
+                                            sizes=split_sizes(n, p)) is out, what + " out")
                 check.equal(out, expected, what + " sizes= out=")
                 back = group.all_to_all(y, concat_axis, split_axis,
-                                        sizes=balanced_sizes(shape[split_axis], p))
+                                        sizes=split_sizes(shape[split_axis], p))
                 check.equal(back, mine, what + " round trip")
     check.done()
 
