@@ -50,6 +50,7 @@ __all__ = [
     "check",
     "verify",
     "describe",
+    "check_mapping",
     "wait",
 ]
 
@@ -344,3 +345,28 @@ def verify(group: Any, signature: tuple, display: str, out: Any, x: Any) -> None
     if overlap:
         raise ValueError(f"{display} on group {group.name!r}: out overlaps the input without "
                          f"being the input itself")
+
+
+def check_mapping(group: Any, name: str, x: Any, options: dict[str, Any]) -> None:
+    """Compare the mapping every rank of ``group`` calls, before its step runs.
+
+    Parameters
+    ----------
+    group : Group
+        The mapping's group.
+    name : str
+        The mapping and direction, e.g. ``"copy_to_all.forward"``.
+    x : array
+        The mapping's input (its dtype and number of dimensions are compared).
+    options : dict
+        Its keywords (``global_size``, ``seq_axis``, ...); None values are left out.
+
+    Raises
+    ------
+    CollectiveMismatchError
+        On every rank, when two ranks call different mappings or pass different options.
+    """
+    given = tuple(sorted((k, v) for k, v in options.items() if v is not None))
+    shown = "".join(f", {k}={v!r}" for k, v in given)
+    check(group, ("mapping", name, str(x.dtype), x.ndim, repr(given)),
+          f"{name}(shape={x.shape}, dtype={x.dtype}{shown})", _timeout)

@@ -238,11 +238,7 @@ class Mapping:
             # Every rank must call the same mapping, even one whose step communicates
             # nothing (copy_to_all's forward): compared here, in debug mode.
             x = collectives._array(x, name)
-            given = tuple(sorted(options.items())) + (
-                (("global_size", global_size),) if global_size is not None else ())
-            shown = "".join(f", {k}={v!r}" for k, v in given)
-            debug.check(group, ("mapping", name, str(x.dtype), x.ndim, repr(given)),
-                        f"{name}(shape={x.shape}, dtype={x.dtype}{shown})", debug.get_timeout())
+            debug.check_mapping(group, name, x, dict(options, global_size=global_size))
         # (Unpacking an empty **options still costs a dict; skip it.)
         return step(group, x, out, sizes, name, **options) if options else \
             step(group, x, out, sizes, name)
