@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-import os
 import time
 import zlib
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -68,7 +67,7 @@ INT_MAX = 2**31 - 1
 #: Calls whose global array has at least this many bytes are checked for agreement by
 #: default (``PYMPAR_CHECK_BYTES``, read at import; every call is checked under
 #: ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG``).
-CHECK_BYTES = int(os.environ.get("PYMPAR_CHECK_BYTES", "65536"))
+CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}

@@ -51,6 +51,7 @@ __all__ = [
     "verify",
     "describe",
     "check_mapping",
+    "parse_bytes",
     "wait",
 ]
 
@@ -106,6 +107,20 @@ def _parse_timeout(value: str) -> float | None:
     except ValueError:
         raise ValueError(f"PYMPAR_TIMEOUT must be a number of seconds > 0, "
                          f"not {value!r}") from None
+
+
+def parse_bytes(variable: str, default: str) -> int:
+    """Read a byte count >= 0 from the environment ``variable`` (``default`` when unset).
+
+    Raises
+    ------
+    ValueError
+        When the value is not a whole number >= 0.
+    """
+    value = os.environ.get(variable, default).strip() or default
+    if not value.isdigit():
+        raise ValueError(f"{variable} must be a number of bytes >= 0, not {value!r}")
+    return int(value)
 
 
 _enabled: bool = _parse_flag(os.environ.get("PYMPAR_DEBUG", ""))

@@ -77,6 +77,17 @@ def test_environment_parsing():
         debug._parse_timeout("-3")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_check_bytes_setting(monkeypatch):
+    monkeypatch.setenv("PYMPAR_CHECK_BYTES", "4096")
+    assert debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536") == 4096
+    monkeypatch.setenv("PYMPAR_CHECK_BYTES", "")
+    assert debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536") == 65536
+    monkeypatch.setenv("PYMPAR_CHECK_BYTES", "64k")
+    with pytest.raises(ValueError, match="PYMPAR_CHECK_BYTES must be a number of bytes"):
+        debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536")
+
+
 # --------------------------------------------------------------------------- mismatches
 
 
