@@ -56,7 +56,7 @@ from ._plans import Blocks, Plan, in_units, pack, remember, scratch, unpack
 from .partition import balanced_sizes, block_slice
 
 if TYPE_CHECKING:  # group.py imports this module
-    from .group import Group
+    import pympar.group
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
            "balanced_sizes", "block_slice", "large_counts_supported", "INT_MAX", "CHECK_BYTES"]
@@ -149,7 +149,7 @@ def _axis(axis: Any, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-def _new_plan(group: Group, x: Any, what: str, op: Any = _MOVE, **plan: Any) -> Plan:
+def _new_plan(group: pympar.group.Group, x: Any, what: str, op: Any = _MOVE, **plan: Any) -> Plan:
     """The parts of a plan every operation shares; checks the group and the dtype."""
     if group.comm == MPI.COMM_NULL:
         raise RuntimeError(f"{what}: group {group.name!r} has been freed (Group.free or "
@@ -172,7 +172,7 @@ def _new_plan(group: Group, x: Any, what: str, op: Any = _MOVE, **plan: Any) -> 
                 mpi_type=backend.mpi_datatype(work), op=mpi_op, **plan)
 
 
-def _finish(group: Group, plan: Plan, key: tuple, shape: tuple[int, ...],
+def _finish(group: pympar.group.Group, plan: Plan, key: tuple, shape: tuple[int, ...],
             numbers: tuple[int, ...]) -> Plan:
     """Sign and cache ``plan``; ``shape`` is the global array, ``numbers`` the call's counts.
 
@@ -192,7 +192,7 @@ def _finish(group: Group, plan: Plan, key: tuple, shape: tuple[int, ...],
 # --------------------------------------------------------------------------- the path
 
 
-def _mpi(group: Group, method: str, args: tuple, what: str) -> None:
+def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None:
     """Run ``comm.<method>(*args)``, or under a timeout its non-blocking twin, polled."""
     timeout = debug.get_timeout() if _hooked else None
     try:
@@ -211,7 +211,7 @@ def _mpi(group: Group, method: str, args: tuple, what: str) -> None:
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def _agree(group: Group, plan: Plan, name: str | None, x: Any) -> None:
+def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> None:
     """One 16-byte Allreduce: do all ranks pass the same key (and label)?"""
     s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
     seen = _SEEN
@@ -230,14 +230,14 @@ def _label_sig(name: str) -> int:
     return sig
 
 
-def _mismatch(group: Group, key: tuple, name: str | None, shown: str, x: Any) -> None:
+def _mismatch(group: pympar.group.Group, key: tuple, name: str | None, shown: str, x: Any) -> None:
     """Raise the same CollectiveMismatchError on every rank, naming every rank's call."""
     debug.verify(group, (key, name), debug.describe(shown, name), None, x)
     raise debug.CollectiveMismatchError(f"ranks of group {group.name!r} disagree on {shown}")
 
 
-def _run(group: Group, plan: Plan, x: Any, out: Any, name: str | None, checked: bool = False,
-         ) -> Any:
+def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
+         checked: bool = False) -> Any:
     """Agree, then move: the common tail of every collective."""
     if not _hooked:
         if plan.nbytes >= CHECK_BYTES and not checked and group.size > 1:
@@ -257,7 +257,7 @@ def _run(group: Group, plan: Plan, x: Any, out: Any, name: str | None, checked: 
     return y
 
 
-def _move(group: Group, plan: Plan, x: Any, out: Any) -> Any:
+def _move(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
     """Pack, call MPI, unpack."""
     if plan.swap:
         x = x.astype(x.dtype.newbyteorder("="))
@@ -327,7 +327,7 @@ def _args(plan: Plan, send: Any, recv: Any) -> tuple:
 # --------------------------------------------------------------------------- operations
 
 
-def all_reduce(group: Group, x: Any, op: str = "sum", out: Any = None,
+def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = None,
                label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_reduce`; ``label`` names the caller."""
     x = _array(x, "all_reduce")
@@ -343,7 +343,7 @@ def all_reduce(group: Group, x: Any, op: str = "sum", out: Any = None,
     return _run(group, plan, x, out, label)
 
 
-def broadcast(group: Group, x: Any, root: int = 0, out: Any = None,
+def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
               label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.broadcast`; ``label`` names the caller."""
     x = _array(x, "broadcast")
@@ -362,7 +362,7 @@ def broadcast(group: Group, x: Any, root: int = 0, out: Any = None,
     return _run(group, plan, x, out, label)
 
 
-def _gathered_sizes(group: Group, x: Any, axis: int, sizes: Any, what: str, key: tuple,
+def _gathered_sizes(group: pympar.group.Group, x: Any, axis: int, sizes: Any, what: str, key: tuple,
                     name: str | None) -> tuple[tuple[int, ...], bool]:
     """Every rank's extent along ``axis`` and whether the ranks already agreed on the call.
 
@@ -399,7 +399,7 @@ def _gathered_sizes(group: Group, x: Any, axis: int, sizes: Any, what: str, key:
     return tuple(table[:, 0].tolist()), True
 
 
-def all_gather(group: Group, x: Any, axis: int = 0, out: Any = None,
+def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
                sizes: Sequence[int] | None = None, label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_gather`; ``label`` names the caller."""
     x = _array(x, "all_gather")
@@ -429,8 +429,8 @@ def all_gather(group: Group, x: Any, axis: int = 0, out: Any = None,
     return _run(group, plan, x, out, label, checked)
 
 
-def reduce_scatter(group: Group, x: Any, axis: int = 0, out: Any = None, op: str = "sum",
-                   label: str | None = None) -> Any:
+def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
+                   op: str = "sum", label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.reduce_scatter`; ``label`` names the caller."""
     x = _array(x, "reduce_scatter")
     key = ("reduce_scatter", x.shape, x.dtype, axis, op)
@@ -463,8 +463,9 @@ def reduce_scatter(group: Group, x: Any, axis: int = 0, out: Any = None, op: str
     return _run(group, plan, x, out, label)
 
 
-def all_to_all(group: Group, x: Any, split_axis: int, concat_axis: int, out: Any = None,
-               sizes: Sequence[int] | None = None, label: str | None = None) -> Any:
+def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: int,
+               out: Any = None, sizes: Sequence[int] | None = None,
+               label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_to_all`; ``label`` names the caller."""
     x = _array(x, "all_to_all")
     checked = False
@@ -496,7 +497,8 @@ def all_to_all(group: Group, x: Any, split_axis: int, concat_axis: int, out: Any
             plan.method, plan.send_spec, plan.recv_spec = "Alltoall", (t,), (t,)
         else:
             plan.method = "Alltoallv"
-            plan.send_spec, plan.recv_spec = ((sb.counts, sb.displs), t), ((rb.counts, rb.displs), t)
+            plan.send_spec = ((sb.counts, sb.displs), t)
+            plan.recv_spec = ((rb.counts, rb.displs), t)
         global_shape = list(x.shape)
         global_shape[cat] = -1
         plan.key = ("all_to_all", tuple(global_shape), plan.work.str, split, cat, sizes)
