@@ -292,7 +292,8 @@ all_to_all_from_sequence_to_hidden = _mapping(
     "all_to_all_from_sequence_to_hidden", _all_to_all(True), _all_to_all(False),
     "Forward: [S/P, ..., H] -> [S, ..., H/P] over the context-parallel group: split the "
     "head axis (``head_axis``, default last), gather the sequence axis (``seq_axis``, "
-    "default 0; ``global_size=`` the global S). Backward: the inverse (``global_size=`` the global H).",
+    "default 0; ``global_size=`` the global S). Backward: the inverse (``global_size=`` the "
+    "global H).",
     _cp)
 all_to_all_from_hidden_to_sequence = _mapping(
     "all_to_all_from_hidden_to_sequence", _all_to_all(False), _all_to_all(True),

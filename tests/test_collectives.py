@@ -379,7 +379,8 @@ def test_a_freed_group_says_so():
     group.all_reduce(np.ones(2))
     group.free()
     for call in (lambda: group.all_reduce(np.ones(2)), lambda: group.all_gather(np.ones(2)),
-                 lambda: group.broadcast(np.ones(2)), lambda: group.all_to_all(np.ones((2, 2)), 0, 1)):
+                 lambda: group.broadcast(np.ones(2)),
+                 lambda: group.all_to_all(np.ones((2, 2)), 0, 1)):
         raises_everywhere(RuntimeError, "group 'freed-.*' has been freed", call)
 
 
