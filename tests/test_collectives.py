@@ -420,5 +420,8 @@ def test_mpi_datatypes_are_predefined():
         datatype = backend.mpi_datatype(dtype)
         assert datatype.is_predefined, dtype
         assert datatype.Get_size() == backend.wire_dtype(dtype).itemsize, dtype
+    # Types without a predefined datatype still get dtlib's (the collectives refuse them).
+    pair = np.dtype([("a", np.float64), ("b", np.int32)])
+    assert backend.mpi_datatype(pair).Get_size() == pair.itemsize
     with pytest.raises(TypeError, match="cannot send arrays of dtype object"):
         backend.mpi_datatype(np.dtype(object))
