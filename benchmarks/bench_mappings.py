@@ -5,21 +5,24 @@ Run on 2 ranks (any number works; shapes are rounded to even splits)::
     PYTHONPATH=. OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python benchmarks/bench_mappings.py \\
         [--sizes 1KiB,1MiB,16MiB] [--repeats 15] [--dtype float32] [--json PATH]
 
-Each row times one operation on a per-rank input of the given size. "raw" is the
-same operation written by hand with mpi4py's uppercase buffer calls and, where
-the layout requires it (last-axis gathers and reduce-scatters, all-to-all),
-the NumPy copy that packs or unpacks rank-major blocks; "mpi" is the MPI call
-alone on the same bytes. Both sides reuse the same preallocated buffers (pympar
-through ``out=``) and run interleaved, ABBA (raw first, then pympar first), so
-drift and cache order effects cancel. Each
-sample is a batch of calls between barriers, long enough to time; its time is
-the slowest rank's. The table shows medians over the repeats; ratio and extra
-are medians of adjacent (raw, pympar) pairs.
+Each row times one operation on a per-rank input of the given size, writing into
+``out=`` or, in the rows named "fresh", returning a new array. "raw" is the same
+operation written by hand with mpi4py's uppercase buffer calls and, where the layout
+requires it (last-axis gathers and reduce-scatters, all-to-all), the NumPy copy that
+packs or unpacks rank-major blocks; "mpi" is the MPI call alone on the same bytes. Both
+sides reuse the same preallocated buffers (pympar through ``out=``; in "fresh" rows
+both allocate the result with ``numpy.empty``) and run interleaved, ABBA (raw first,
+then pympar first), so drift and cache order effects cancel. Each sample is a batch of
+calls between barriers, long enough to time; its time is the slowest rank's. The table
+shows medians over the repeats; ratio and extra are medians of adjacent (raw, pympar)
+pairs; "check" is the cost of the default agreement check (pympar against itself with
+the check off; zero below ``pympar.collectives.CHECK_BYTES``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -33,7 +36,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import timed_parallel  # noqa: E402
-from pympar import mappings  # noqa: E402
+from pympar import collectives, mappings  # noqa: E402
 from pympar.collectives import balanced_sizes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
 
@@ -59,7 +62,12 @@ def show_size(nbytes: int) -> str:
 
 
 def cases(group: Any, nbytes: int, dtype: np.dtype) -> list[Case]:
-    """(name, raw, mpi-only, pympar) per operation, on a per-rank input of ``nbytes``."""
+    """(name, raw, mpi-only, pympar) per operation, on a per-rank input of ``nbytes``.
+
+    Each communicating operation appears twice: writing into a preallocated ``out=``
+    (raw code reuses its buffer too), and "fresh", pympar's default of returning a new
+    array (raw code allocates its result with ``numpy.empty`` the same way).
+    """
     comm, p, r = group.comm, group.size, group.rank
     n = max(nbytes // dtype.itemsize, 2 * p * p)
     # x is [rows, hidden], both multiples of p so that every split is even;
@@ -70,97 +78,126 @@ def cases(group: Any, nbytes: int, dtype: np.dtype) -> list[Case]:
     lo = r * hp
     rng = np.random.default_rng(r)
     x = rng.standard_normal((rows, hidden)).astype(dtype)
-    full_rows = np.empty((p * rows, hidden), dtype)     # gathered along axis 0
-    full_hidden = np.empty((rows, p * hidden), dtype)   # gathered along the last axis
     stage = np.empty(p * rows * hidden, dtype)          # raw code's rank-major scratch
     # The MPI-only calls write elsewhere: a buffer they just warmed would favour raw.
     mpi_stage = np.empty(p * rows * hidden, dtype)
-    block_rows = np.empty((rp, hidden), dtype)          # my axis-0 block of a sum
-    block_hidden = np.empty((rows, hp), dtype)          # my last-axis block of a sum
-    reduced = np.empty_like(x)
-    seq_to_hidden = np.empty((p * rows, hp), dtype)
-    hidden_to_seq = np.empty((rp, p * hidden), dtype)
     s_rows, s_hidden = p * rows, p * hidden
     send = stage[:rows * hidden]
-
-    def gather_hidden_raw() -> None:
-        comm.Allgather(x, stage)
-        np.copyto(full_hidden.reshape(rows, p, hidden),
-                  stage.reshape(p, rows, hidden).transpose(1, 0, 2))
+    shapes = {"reduced": x.shape, "rows": (p * rows, hidden), "hidden": (rows, p * hidden),
+              "block_rows": (rp, hidden), "block_hidden": (rows, hp),
+              "seq_to_hidden": (p * rows, hp), "hidden_to_seq": (rp, p * hidden)}
+    kept = {name: np.empty(shape, dtype) for name, shape in shapes.items()}
 
     def pack_hidden() -> None:
         np.copyto(send.reshape(p, rows, hp), x.reshape(rows, p, hp).transpose(1, 0, 2))
 
-    def reduce_scatter_hidden_raw() -> None:
-        pack_hidden()
-        comm.Reduce_scatter_block(send, block_hidden)
+    def gather_hidden(y: np.ndarray) -> np.ndarray:
+        comm.Allgather(x, stage)
+        np.copyto(y.reshape(rows, p, hidden), stage.reshape(p, rows, hidden).transpose(1, 0, 2))
+        return y
 
-    def seq_to_hidden_raw() -> None:
+    def reduce_scatter_hidden(y: np.ndarray) -> np.ndarray:
         pack_hidden()
-        comm.Alltoall(send, seq_to_hidden)
+        comm.Reduce_scatter_block(send, y)
+        return y
 
-    def hidden_to_seq_raw() -> None:
+    def seq_to_hidden(y: np.ndarray) -> np.ndarray:
+        pack_hidden()
+        comm.Alltoall(send, y)
+        return y
+
+    def hidden_to_seq(y: np.ndarray) -> np.ndarray:
         comm.Alltoall(x, send)
-        np.copyto(hidden_to_seq.reshape(rp, p, hidden),
-                  send.reshape(p, rp, hidden).transpose(1, 0, 2))
+        np.copyto(y.reshape(rp, p, hidden), send.reshape(p, rp, hidden).transpose(1, 0, 2))
+        return y
 
-    allreduce = lambda: comm.Allreduce(x, reduced, MPI.SUM)  # noqa: E731
-    allgather = lambda: comm.Allgather(x, full_rows)  # noqa: E731
-    allgather_stage = lambda: comm.Allgather(x, mpi_stage)  # noqa: E731
-    reduce_scatter = lambda: comm.Reduce_scatter_block(x, block_rows)  # noqa: E731
-    alltoall = lambda: comm.Alltoall(x, mpi_stage[:rows * hidden])  # noqa: E731
+    def broadcast(y: np.ndarray) -> np.ndarray:
+        if r == 0 and y is not x:
+            y[...] = x
+        comm.Bcast(y)
+        return y
+
+    raw = {
+        "reduced": lambda y: comm.Allreduce(x, y, MPI.SUM),
+        "rows": lambda y: comm.Allgather(x, y),
+        "hidden": gather_hidden,
+        "block_rows": lambda y: comm.Reduce_scatter_block(x, y),
+        "block_hidden": reduce_scatter_hidden,
+        "seq_to_hidden": seq_to_hidden,
+        "hidden_to_seq": hidden_to_seq,
+    }
+    mpi = {
+        "reduced": lambda: comm.Allreduce(x, kept["reduced"], MPI.SUM),
+        "rows": lambda: comm.Allgather(x, kept["rows"]),
+        "hidden": lambda: comm.Allgather(x, mpi_stage),
+        "block_rows": lambda: comm.Reduce_scatter_block(x, kept["block_rows"]),
+        "block_hidden": lambda: comm.Reduce_scatter_block(x, kept["block_rows"]),
+        "seq_to_hidden": lambda: comm.Alltoall(x, mpi_stage[:rows * hidden]),
+        "hidden_to_seq": lambda: comm.Alltoall(x, mpi_stage[:rows * hidden]),
+    }
+    M = mappings
+    # (name, result kind, pympar call taking out=)
+    ops: list[tuple[str, str, Callable[..., Any]]] = [
+        ("all_reduce", "reduced", lambda out: group.all_reduce(x, out=out)),
+        ("all_gather axis 0", "rows",
+         lambda out: group.all_gather(x, 0, out=out, sizes=balanced_sizes(s_rows, p))),
+        ("all_gather axis -1", "hidden",
+         lambda out: group.all_gather(x, -1, out=out, sizes=balanced_sizes(s_hidden, p))),
+        ("reduce_scatter axis 0", "block_rows", lambda out: group.reduce_scatter(x, 0, out=out)),
+        ("reduce_scatter axis -1", "block_hidden",
+         lambda out: group.reduce_scatter(x, -1, out=out)),
+        ("all_to_all seq->hidden", "seq_to_hidden", lambda out: group.all_to_all(
+            x, -1, 0, out=out, sizes=balanced_sizes(s_rows, p))),
+        ("copy_to_all.backward", "reduced", lambda out: M.copy_to_all.backward(x, group, out=out)),
+        ("reduce_from_all", "reduced", lambda out: M.reduce_from_all(x, group, out=out)),
+        ("scatter_to_hidden.backward", "hidden", lambda out: M.scatter_to_hidden.backward(
+            x, group, out=out, global_size=s_hidden)),
+        ("gather_from_hidden", "hidden",
+         lambda out: M.gather_from_hidden(x, group, out=out, global_size=s_hidden)),
+        ("reduce_scatter_to_hidden", "block_hidden",
+         lambda out: M.reduce_scatter_to_hidden(x, group, out=out)),
+        ("scatter_to_sequence.backward", "rows", lambda out: M.scatter_to_sequence.backward(
+            x, group, out=out, global_size=s_rows)),
+        ("gather_from_sequence", "rows",
+         lambda out: M.gather_from_sequence(x, group, out=out, global_size=s_rows)),
+        ("gather_from_sequence.backward", "block_rows",
+         lambda out: M.gather_from_sequence.backward(x, group, out=out)),
+        ("reduce_scatter_to_sequence", "block_rows",
+         lambda out: M.reduce_scatter_to_sequence(x, group, out=out)),
+        ("all_to_all_from_sequence_to_hidden", "seq_to_hidden",
+         lambda out: M.all_to_all_from_sequence_to_hidden(x, group, out=out, global_size=s_rows)),
+        ("all_to_all_from_hidden_to_sequence", "hidden_to_seq",
+         lambda out: M.all_to_all_from_hidden_to_sequence(x, group, out=out,
+                                                          global_size=s_hidden)),
+    ]
     keep_hidden = lambda: np.ascontiguousarray(x[:, lo:lo + hp])  # noqa: E731
     keep_rows = lambda: np.ascontiguousarray(x[r * rp:(r + 1) * rp])  # noqa: E731
-    M = mappings
-    return [
-        ("all_reduce", allreduce, allreduce, lambda: group.all_reduce(x, out=reduced)),
-        ("all_gather axis 0", allgather, allgather,
-         lambda: group.all_gather(x, 0, out=full_rows, sizes=balanced_sizes(s_rows, p))),
-        ("all_gather axis -1", gather_hidden_raw, allgather_stage,
-         lambda: group.all_gather(x, -1, out=full_hidden, sizes=balanced_sizes(s_hidden, p))),
-        ("reduce_scatter axis 0", reduce_scatter, reduce_scatter,
-         lambda: group.reduce_scatter(x, 0, out=block_rows)),
-        ("reduce_scatter axis -1", reduce_scatter_hidden_raw, reduce_scatter,
-         lambda: group.reduce_scatter(x, -1, out=block_hidden)),
-        ("all_to_all seq->hidden", seq_to_hidden_raw, alltoall,
-         lambda: group.all_to_all(x, -1, 0, out=seq_to_hidden, sizes=balanced_sizes(s_rows, p))),
-        ("broadcast", lambda: comm.Bcast(x), lambda: comm.Bcast(x),
+    out: list[Case] = [
+        ("broadcast", lambda: broadcast(x), lambda: comm.Bcast(x),
          lambda: group.broadcast(x, 0, out=x)),
+        ("broadcast fresh", lambda: broadcast(np.empty_like(x)), lambda: comm.Bcast(x),
+         lambda: group.broadcast(x, 0)),
         ("copy_to_all", lambda: x, lambda: x, lambda: M.copy_to_all(x, group)),
-        ("copy_to_all.backward", allreduce, allreduce,
-         lambda: M.copy_to_all.backward(x, group, out=reduced)),
-        ("reduce_from_all", allreduce, allreduce,
-         lambda: M.reduce_from_all(x, group, out=reduced)),
         ("scatter_to_hidden", keep_hidden, keep_hidden, lambda: M.scatter_to_hidden(x, group)),
-        ("scatter_to_hidden.backward", gather_hidden_raw, allgather_stage,
-         lambda: M.scatter_to_hidden.backward(x, group, out=full_hidden, size=s_hidden)),
-        ("gather_from_hidden", gather_hidden_raw, allgather_stage,
-         lambda: M.gather_from_hidden(x, group, out=full_hidden, size=s_hidden)),
-        ("reduce_scatter_to_hidden", reduce_scatter_hidden_raw, reduce_scatter,
-         lambda: M.reduce_scatter_to_hidden(x, group, out=block_hidden)),
         ("scatter_to_sequence", keep_rows, keep_rows, lambda: M.scatter_to_sequence(x, group)),
-        ("scatter_to_sequence.backward", allgather, allgather,
-         lambda: M.scatter_to_sequence.backward(x, group, out=full_rows, size=s_rows)),
-        ("gather_from_sequence", allgather, allgather,
-         lambda: M.gather_from_sequence(x, group, out=full_rows, size=s_rows)),
-        ("gather_from_sequence.backward", reduce_scatter, reduce_scatter,
-         lambda: M.gather_from_sequence.backward(x, group, out=block_rows)),
-        ("reduce_scatter_to_sequence", reduce_scatter, reduce_scatter,
-         lambda: M.reduce_scatter_to_sequence(x, group, out=block_rows)),
-        ("all_to_all_from_sequence_to_hidden", seq_to_hidden_raw, alltoall,
-         lambda: M.all_to_all_from_sequence_to_hidden(x, group, out=seq_to_hidden, size=s_rows)),
-        ("all_to_all_from_hidden_to_sequence", hidden_to_seq_raw, alltoall,
-         lambda: M.all_to_all_from_hidden_to_sequence(x, group, out=hidden_to_seq,
-                                                      size=s_hidden)),
     ]
+    for name, kind, ours in ops:
+        shape, move, buffer = shapes[kind], raw[kind], kept[kind]
+        out.append((name, functools.partial(move, buffer), mpi[kind],
+                    functools.partial(ours, buffer)))
+        out.append((name + " fresh", lambda move=move, shape=shape: move(np.empty(shape, dtype)),
+                    mpi[kind], functools.partial(ours, None)))
+    return out
 
 
 def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
             repeats: int, warmup: int) -> dict[str, float]:
-    """Medians over interleaved samples (raw, pympar, mpi; pympar, raw, mpi; ...).
+    """Medians over interleaved samples (raw, pympar, pympar unchecked, mpi; then reversed).
 
-    ``ratio`` and ``extra`` are medians of the per-pair ratios and differences
-    of adjacent raw and pympar samples, which cancels slow drift of the machine.
+    ``ratio`` and ``extra`` are medians of the per-pair ratios and differences of adjacent
+    raw and pympar samples, which cancels slow drift of the machine; ``check_us`` the
+    median difference between pympar with its default agreement check and pympar with
+    the check switched off (``CHECK_BYTES`` raised above every size).
     """
     for fn in (raw, mpi_only, ours):
         for _ in range(warmup):
@@ -168,21 +205,33 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
     single = timed_parallel(comm, ours, 3)
     # Batches of >= ~2 ms so timer and barrier noise stay small at 1 KiB.
     calls = comm.bcast(max(1, min(2000, int(2e-3 / max(single, 1e-7)))))
-    raws, ourss, mpis = [], [], []
+    default = collectives.CHECK_BYTES
+
+    def unchecked() -> float:
+        collectives.CHECK_BYTES = 1 << 62
+        try:
+            return timed_parallel(comm, ours, calls)
+        finally:
+            collectives.CHECK_BYTES = default
+
+    raws, ourss, offs, mpis = [], [], [], []
     for i in range(repeats):
         # ABBA: alternate which side runs first, so neither always inherits the
         # caches (or the drift) the other left behind.
         if i % 2:
             ourss.append(timed_parallel(comm, ours, calls))
+            offs.append(unchecked())
             raws.append(timed_parallel(comm, raw, calls))
         else:
             raws.append(timed_parallel(comm, raw, calls))
+            offs.append(unchecked())
             ourss.append(timed_parallel(comm, ours, calls))
         mpis.append(timed_parallel(comm, mpi_only, calls))
     med = statistics.median
     return {"raw_us": med(raws) * 1e6, "pympar_us": med(ourss) * 1e6, "mpi_us": med(mpis) * 1e6,
             "ratio": med(o / r for o, r in zip(ourss, raws) if r > 0),
-            "extra_us": med(o - r for o, r in zip(ourss, raws)) * 1e6}
+            "extra_us": med(o - r for o, r in zip(ourss, raws)) * 1e6,
+            "check_us": med(o - f for o, f in zip(ourss, offs)) * 1e6}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,16 +256,16 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"op": name, "bytes": nbytes, **timing})
     if WORLD.rank != 0:
         return
-    header = f"{'op':36} {'size':>7} {'raw us':>10} {'pympar us':>10} {'ratio':>6} " \
-             f"{'extra us':>9} {'mpi us':>10}"
+    header = f"{'op':40} {'size':>7} {'raw us':>10} {'pympar us':>10} {'ratio':>6} " \
+             f"{'extra us':>9} {'check us':>9} {'mpi us':>10}"
     print(f"# {WORLD.size} ranks, {dtype}, median of {args.repeats}; "
           f"{MPI.Get_library_version().splitlines()[0].strip()}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['op']:36} {show_size(row['bytes']):>7} {row['raw_us']:10.1f} "
+        print(f"{row['op']:40} {show_size(row['bytes']):>7} {row['raw_us']:10.1f} "
               f"{row['pympar_us']:10.1f} {row['ratio']:6.3f} {row['extra_us']:9.2f} "
-              f"{row['mpi_us']:10.1f}")
+              f"{row['check_us']:9.2f} {row['mpi_us']:10.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"ranks": WORLD.size, "dtype": str(dtype), "repeats": args.repeats,

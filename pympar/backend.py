@@ -31,6 +31,8 @@ __all__ = [
     "wire_dtype",
     "accumulation_dtype",
     "bfloat16",
+    "to_wire",
+    "from_wire",
 ]
 
 
@@ -205,3 +207,53 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
         return dtlib.from_numpy_dtype(wire)
     except (ValueError, KeyError) as err:
         raise TypeError(f"pympar cannot send arrays of dtype {np.dtype(dtype)}: {err}") from None
+
+
+_PINNED: dict[int, np.ndarray] = {}
+
+
+def _pinned(slot: int, like: Any) -> np.ndarray:
+    """A pinned host array shaped like ``like`` from a per-slot, grow-only pool."""
+    pool = _PINNED.get(slot)
+    if pool is None or pool.nbytes < like.nbytes:
+        import cupyx  # only reached with CuPy arrays
+        # Grow at least 2x: a few allocations even when message sizes creep up.
+        size = max(like.nbytes, 2 * pool.nbytes if pool is not None else 1)
+        _PINNED[slot] = pool = cupyx.empty_pinned((size,), np.uint8)
+    return pool[:like.nbytes].view(like.dtype).reshape(like.shape)
+
+
+def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
+    """Device buffers as MPI should see them: themselves, or pinned host copies.
+
+    Parameters
+    ----------
+    send : cupy.ndarray, ``MPI.IN_PLACE`` or None
+        The send buffer; for ``IN_PLACE`` or None (a broadcast), ``recv`` holds the input.
+    recv : cupy.ndarray
+        The receive buffer.
+
+    Returns
+    -------
+    tuple
+        ``(send, recv)`` to hand to MPI; pass the second to :func:`from_wire` afterwards.
+    """
+    synchronize(recv)  # kernels writing either buffer ran on this stream
+    if cuda_aware():
+        return send, recv
+    host_recv, host_send = _pinned(1, recv), send
+    if send is None or send is MPI.IN_PLACE:
+        recv.get(out=host_recv)
+    else:
+        host_send = _pinned(0, send)
+        send.get(out=host_send)
+    synchronize(recv)
+    return host_send, host_recv
+
+
+def from_wire(recv: Any, wire_recv: Any) -> None:
+    """Copy what MPI wrote into ``wire_recv`` (see :func:`to_wire`) back to ``recv``."""
+    if wire_recv is not recv:
+        recv.set(wire_recv)
+        # The pinned buffer is reused by the next call: the copy must be done.
+        synchronize(recv)

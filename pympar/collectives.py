@@ -1,84 +1,84 @@
 """Array collectives of :class:`~pympar.group.Group`, for NumPy and CuPy arrays.
 
-The functions here are the bodies of ``Group.all_reduce``, ``Group.all_gather``,
-``Group.reduce_scatter``, ``Group.all_to_all`` and ``Group.broadcast`` (their
-first parameter is the group, ``self``). Arrays travel through mpi4py's
-uppercase buffer methods only.
+``Group.all_reduce`` and its siblings delegate here. Every operation takes one path:
+
+1. **validate** the input (an array; native byte order; a dtype MPI can move);
+2. **plan**: look up, or build once, the :class:`~pympar._plans.Plan` of (operation, shape,
+   dtype, axis, sizes): output shape, MPI method, counts, rank blocks, signature;
+3. **agree** (:func:`_run`): the ranks check that they make the same call -- cheaply by
+   default, fully in debug mode;
+4. **pack** the input into the buffer MPI reads (itself when it is C-contiguous);
+5. **call MPI** through :func:`_mpi` (blocking, or non-blocking polled under a timeout);
+6. **unpack** into the result (``out``, or a new C-contiguous array).
 
 Notes
 -----
-* Layout: MPI sees C-contiguous buffers only, never an array in memory order
-  (Fortran-ordered or strided input is copied in C order first). A non-leading
-  axis is handled by packing (or unpacking) rank-major blocks in a cached
-  contiguous buffer -- one strided copy for even blocks, one per rank otherwise
-  -- so results follow ``numpy.concatenate`` and ``numpy.array_split``.
-  Measured here, MPI derived datatypes did the same rearrangement no faster.
-* Sizes: uneven extents follow the balanced rule of ``numpy.array_split``.
-  Gathering ranks of unknown extents agree on them with one small Allgather,
-  which ``sizes=`` avoids; counts above 2**31 - 1 need MPI-4 large-count
-  routines and are refused with ``ValueError`` before any MPI call otherwise.
-* Hot path: everything that depends only on (shape, dtype, axis, sizes) -- the
-  output shape, MPI datatype, counts and displacements, whether packing is
-  needed -- is a plan in a per-group dict; internal temporaries come from a
-  bounded per-group buffer cache keyed by (slot, shape, dtype). The common NumPy
-  cases run inline in the public function. Callers that pass ``out=`` allocate
-  nothing.
-* Debug checks, timeouts and statistics share one module flag, ``_hooked``,
-  so that with all three off a collective pays a single branch for them.
-* CuPy: the current stream is synchronised before MPI touches a device buffer;
-  device buffers go to MPI directly when :func:`pympar.backend.cuda_aware`,
-  otherwise through pinned host buffers that are cached and grown, never
-  reallocated per call. CuPy is only imported when a CuPy array is seen.
-* Code: this module holds the public functions with their inline NumPy fast
-  paths and the hook plumbing; the private modules ``pympar._wire`` (sizes,
-  counts, MPI datatypes, CuPy staging), ``pympar._plans`` (plans, scratch
-  buffers, ``out=`` checks) and ``pympar._general`` (the general path of every
-  operation) hold the rest.
+* Layout: MPI sees C-contiguous buffers only. A non-leading axis is packed into (or
+  unpacked from) rank-major blocks in a cached scratch buffer, so results follow
+  ``numpy.concatenate`` and ``numpy.array_split``; derived datatypes did the same
+  rearrangement no faster here.
+* Sizes: uneven extents follow the balanced rule of ``numpy.array_split``
+  (:mod:`pympar.partition`). Gathering ranks of unknown extents agree on them with one
+  small Allgather, which ``sizes=`` (every rank's extent, in group-rank order) avoids.
+* Agreement, always on: a call moving at least :data:`CHECK_BYTES` bytes (of the global
+  array), every call under a timeout, and every gather without ``sizes=`` first checks
+  that all ranks pass the same operation, dtype, extents (those not gathered), axis,
+  sizes, root, op and mapping label: one 16-byte Allreduce (folded into the size
+  exchange where there is one). A mismatch raises the same
+  :class:`~pympar.debug.CollectiveMismatchError` on every rank. ``PYMPAR_DEBUG=1``
+  compares every call, whatever its size, and names what each rank passed.
+* Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
+  units of a contiguous derived datatype (gathers, all-to-all) or in chunks
+  (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
+  reduce-scatter is an all-reduce that keeps this rank's block.
+* dtypes: bool reduces with logical or (sum, max) and and (min), as NumPy's ufuncs do;
+  float16 and bfloat16 sum in float32; complex has no max/min. ``max``/``min`` with NaN
+  give what MPI gives, not NumPy's propagation (whether a NaN survives depends on the
+  library and the order it combines ranks in): test ``numpy.isnan`` first where it matters.
+* CuPy: device buffers go to MPI directly when :func:`pympar.backend.cuda_aware`, else
+  through pinned host buffers (:func:`pympar.backend.to_wire`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import operator
 import time
-from typing import Any, Callable, Sequence
+import zlib
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
-from . import _wire, debug, stats
-from ._general import (_all_gather, _all_reduce, _all_to_all, _broadcast, _reduce_scatter,
-                       _run_all_to_all, _run_gather, _run_reduce_scatter)
-from ._plans import _normalize_axis
-from ._wire import (_IN_PLACE, _coerce, _ndarray, _xp, balanced_sizes, block_slice, check_count,
-                    large_counts_supported)
+from . import backend, debug, stats
+from ._plans import Blocks, Plan, in_units, pack, remember, scratch, unpack
+from .partition import balanced_sizes, block_slice
 
-__all__ = [
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "broadcast",
-    "balanced_sizes",
-    "block_slice",
-    "check_count",
-    "large_counts_supported",
-    "INT_MAX",
-]
+if TYPE_CHECKING:  # group.py imports this module
+    import pympar.group
 
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
+           "balanced_sizes", "block_slice", "large_counts_supported", "INT_MAX", "CHECK_BYTES"]
 
 #: The largest count or displacement an MPI-3 (``int``) interface can take.
-INT_MAX = _wire.INT_MAX
+INT_MAX = 2**31 - 1
 
-# The same dict as _wire's (never rebound), bound by assignment: CPython compiles
-# ``name.get(...)`` on a name bound by an import statement without its
-# method-call fast path (LOAD_METHOD), which all_reduce's fast path relies on.
-_FAST_REDUCE = _wire._FAST_REDUCE
+#: Calls whose global array has at least this many bytes are checked for agreement by
+#: default (``PYMPAR_CHECK_BYTES``, read at import; every call is checked under
+#: ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG``).
+CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536")
 
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
+_MOVABLE = "biufc"  # dtype kinds: bool, int, uint, float, complex
+_IN_PLACE = MPI.IN_PLACE
+_MOVE: Any = object()  # the op of a collective that reduces nothing
 
-# True while debug mode, a timeout or a stats recorder is active: the one branch
-# the fast path pays for all three.
+# The label of the code running collectives (see label()); mappings pass theirs.
+_label: str | None = None
+# Whether debug mode, a timeout or a stats recorder is on: the one branch they cost.
 _hooked = False
-# Name of the mapping (e.g. "gather_from_sequence.forward") whose collective is
-# running, set by pympar.mappings only while hooked; shown in stats and errors.
-_caller: str | None = None
 
 
 def _refresh_hooks() -> None:
@@ -91,284 +91,419 @@ stats._listeners.append(_refresh_hooks)
 _refresh_hooks()
 
 
-# --------------------------------------------------------------------------- hooks
+@contextlib.contextmanager
+def label(name: str) -> Iterator[None]:
+    """Name the collectives called inside a ``with`` block, in statistics and errors.
+
+    Parameters
+    ----------
+    name : str
+        E.g. ``"Linear3D.backward"``. Part of the agreement check: ranks running the same
+        collective under different labels raise :class:`~pympar.debug.CollectiveMismatchError`.
+        Mappings label their own collectives (``"gather_from_sequence.forward"``).
+    """
+    global _label
+    saved, _label = _label, name
+    try:
+        yield
+    finally:
+        _label = saved
 
 
-def _describe(operation: str, x: Any, **details: Any) -> str:
-    extra = "".join(f", {k}={v!r}" for k, v in details.items())
-    caller = f" in {_caller}" if _caller else ""
-    return f"{operation}(shape={tuple(x.shape)}, dtype={x.dtype}{extra}){caller}"
+def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
+    """Return whether counts above :data:`INT_MAX` reach MPI as they are (MPI-4 ``_c`` routines).
+
+    Parameters
+    ----------
+    mpi_version : tuple of int, optional
+        The standard version to judge; ``MPI.Get_version()`` by default.
+    """
+    return tuple(MPI.Get_version() if mpi_version is None else mpi_version) >= (4, 0)
 
 
-def _hooked_call(self: Any, operation: str, body: Callable[..., Any], x: Any, out: Any,
-                 args: tuple, signature: Callable[[Any], tuple]) -> Any:
-    """Run a collective with debug checks, timeout and statistics as switched on."""
-    x = _coerce(x)
-    timeout = debug.get_timeout()
-    if debug.is_enabled() and self.size > 1:
-        key, shown = signature(x)
-        # Facts only this rank can see go into the compared key, so that a rank
-        # about to raise makes every rank raise instead of leaving them waiting.
-        overlap = (out is not None and out is not x and type(out) is type(x)
-                   and bool(_xp(x).may_share_memory(out, x)))
-        debug.check(self, (key, overlap), f"{shown}, out overlaps input: {overlap}", timeout)
-        if overlap:
-            raise ValueError(f"{operation} on group {self.name!r}: out overlaps the input "
-                             f"without being the input itself")
+# --------------------------------------------------------------------------- validation
+
+
+def _array(x: Any, what: str) -> Any:
+    if type(x) is not np.ndarray:
+        if isinstance(x, (np.ndarray, np.generic)):
+            return np.asarray(x)
+        if not backend.is_cupy_array(x):
+            raise TypeError(f"{what}: x must be a numpy.ndarray or cupy.ndarray, not "
+                            f"{type(x).__name__} (convert it with numpy.asarray)")
+    return x
+
+
+def _index(value: Any, what: str, name: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be an int, not {type(value).__name__}") from None
+
+
+def _axis(axis: Any, ndim: int, what: str) -> int:
+    axis = _index(axis, what, "axis")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what}: axis {axis} is out of range for an array of {ndim} "
+                         f"dimension{'s' if ndim != 1 else ''}")
+    return axis % ndim
+
+
+def _new_plan(group: pympar.group.Group, x: Any, what: str, op: Any = _MOVE, **plan: Any) -> Plan:
+    """The parts of a plan every operation shares; checks the group and the dtype."""
+    if group.comm == MPI.COMM_NULL:
+        raise RuntimeError(f"{what}: group {group.name!r} has been freed (Group.free or "
+                           f"manager.destroy_parallel); use the groups of the current state")
+    dtype = x.dtype
+    if dtype.kind not in _MOVABLE and dtype != backend.bfloat16:
+        raise TypeError(f"{what}: pympar collectives move bool, integer, float and complex "
+                        f"arrays, not dtype {dtype}")
+    native = dtype.newbyteorder("=")
+    work, mpi_op = native, None
+    if op is not _MOVE:
+        table = _BOOL_OPS if dtype.kind == "b" else _OPS
+        mpi_op = table.get(op) if isinstance(op, str) else None
+        if mpi_op is None:
+            raise ValueError(f"{what}: op must be one of {sorted(_OPS)}, not {op!r}")
+        if dtype.kind == "c" and op != "sum":
+            raise TypeError(f"{what}: op={op!r} is not defined for complex dtype {dtype}")
+        work = backend.accumulation_dtype(native)
+    return Plan(work=work, cast=work != native, swap=not dtype.isnative,
+                mpi_type=backend.mpi_datatype(work), op=mpi_op, **plan)
+
+
+def _finish(group: pympar.group.Group, plan: Plan, key: tuple, shape: tuple[int, ...],
+            numbers: tuple[int, ...]) -> Plan:
+    """Sign and cache ``plan``; ``shape`` is the global array, ``numbers`` the call's counts.
+
+    On an MPI-3 library, counts above INT_MAX move in chunks (one buffer) or in units of a
+    derived datatype (blocks).
+    """
+    plan.nbytes = math.prod(shape) * plan.work.itemsize
+    plan.sig = zlib.crc32(repr(plan.key).encode()) & 0x7FFFFFFF
+    if max(numbers, default=0) > INT_MAX and not large_counts_supported() and group.size > 1:
+        if plan.method in ("Allreduce", "Bcast"):
+            plan.chunk = INT_MAX
+        elif plan.method is not None:
+            in_units(plan, numbers, INT_MAX)
+    return remember(group, key, plan)
+
+
+# --------------------------------------------------------------------------- the path
+
+
+def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None:
+    """Run ``comm.<method>(*args)``, or under a timeout its non-blocking twin, polled."""
+    timeout = debug.get_timeout() if _hooked else None
+    try:
+        if timeout is None:
+            getattr(group.comm, method)(*args)
+        else:
+            twin = "I" + method[0].lower() + method[1:]  # Allgatherv -> Iallgatherv
+            debug.wait(getattr(group.comm, twin)(*args), what, group, timeout,
+                       time.monotonic())
+    except MPI.Exception as err:
+        if err.Get_error_class() != MPI.ERR_TRUNCATE:
+            raise
+        raise debug.CollectiveMismatchError(
+            f"{what} on group {group.name!r}: MPI received more data than this rank expects "
+            f"(message truncated): the ranks passed arrays of different shapes or sizes; "
+            f"PYMPAR_DEBUG=1 shows every rank's call") from err
+
+
+def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> None:
+    """One 16-byte Allreduce: do all ranks pass the same key (and label)?"""
+    s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
+    seen = _SEEN
+    seen[0], seen[1] = s, -s
+    _mpi(group, "Allreduce", (_IN_PLACE, [seen, MPI.INT64_T], MPI.MAX), plan.shown)
+    if seen[0] != s or seen[1] != -s:  # max == min == s on every rank, or a mismatch
+        _mismatch(group, plan.key, name, plan.shown, x)
+
+
+_SEEN = np.empty(2, np.int64)
+_LABELS: dict[str, int] = {}
+
+
+def _label_sig(name: str) -> int:
+    sig = _LABELS[name] = zlib.crc32(name.encode()) & 0x7FFFFFFF or 1
+    return sig
+
+
+def _mismatch(group: pympar.group.Group, key: tuple, name: str | None, shown: str, x: Any) -> None:
+    """Raise the same CollectiveMismatchError on every rank, naming every rank's call."""
+    debug.verify(group, (key, name), debug.describe(shown, name), None, x)
+    raise debug.CollectiveMismatchError(f"ranks of group {group.name!r} disagree on {shown}")
+
+
+def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
+         checked: bool = False) -> Any:
+    """Agree, then move: the common tail of every collective."""
+    if not _hooked:
+        if plan.nbytes >= CHECK_BYTES and not checked and group.size > 1:
+            _agree(group, plan, name or _label, x)
+        return _move(group, plan, x, out)
+    name = name or _label
+    if group.size > 1:
+        if debug.is_enabled():
+            debug.verify(group, (plan.key, name), debug.describe(plan.shown, name), out, x)
+        elif not checked:
+            _agree(group, plan, name, x)
     if not stats.is_recording():
-        return body(self, x, *args, timeout)
+        return _move(group, plan, x, out)
     start = time.perf_counter()
-    y = body(self, x, *args, timeout)
-    stats.add(self.name, _caller or operation, x.nbytes, y.nbytes, time.perf_counter() - start)
+    y = _move(group, plan, x, out)
+    stats.add(group.name, name or plan.key[0], x.nbytes, y.nbytes, time.perf_counter() - start)
     return y
 
 
-# --------------------------------------------------------------------------- all_reduce
+def _move(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
+    """Pack, call MPI, unpack."""
+    if plan.swap:
+        x = x.astype(x.dtype.newbyteorder("="))
+    shape, numpy = plan.out_shape, type(x) is np.ndarray
+    if out is None:
+        dest = (np.empty if numpy else backend.array_module(x).empty)(shape, x.dtype)
+    elif type(out) is type(x) and out.shape == shape and out.dtype == x.dtype:
+        dest = out if out.flags.c_contiguous else scratch(group, "dest", shape, x.dtype, x)
+    else:
+        raise (TypeError if type(out) is not type(x) else ValueError)(
+            f"{plan.shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} "
+            f"and dtype {getattr(out, 'dtype', '?')}, expected a {type(x).__name__} of shape "
+            f"{shape} and dtype {x.dtype}")
+    if group.size == 1:
+        dest[...] = x
+    else:
+        sb, rb, method = plan.send, plan.recv, plan.method
+        if method == "Bcast":
+            send = None
+            if group.rank == plan.tail[0] and dest is not x:
+                dest[...] = x
+        elif sb is not None:
+            send = scratch(group, "send", sb.scratch_shape, plan.work, x)
+            pack(send, x, sb)
+        elif dest is x and not plan.cast:
+            send = _IN_PLACE  # an in-place all_reduce
+        elif x.flags.c_contiguous and not plan.cast:
+            send = x
+        else:
+            send = scratch(group, "send", x.shape, plan.work, x)
+            send[...] = x  # C order (never memory order), float32 for half precision
+        if rb is not None:
+            recv = scratch(group, "recv", rb.scratch_shape, plan.work, x)
+        elif plan.cast:
+            recv = scratch(group, "acc", shape, plan.work, x)
+        else:
+            recv = dest
+        wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
+        if plan.chunk is None:
+            _mpi(group, method, _args(plan, wsend, wrecv), plan.shown)
+        else:  # MPI-3 and a count above INT_MAX: a few calls on consecutive slices
+            flat_r = wrecv.reshape(-1)
+            flat_s = wsend.reshape(-1) if wsend is not None and wsend is not _IN_PLACE else wsend
+            for lo in range(0, flat_r.size, plan.chunk):
+                part = slice(lo, lo + plan.chunk)
+                s = flat_s[part] if flat_s is not None and flat_s is not _IN_PLACE else flat_s
+                _mpi(group, method, _args(plan, s, flat_r[part]), plan.shown)
+        if not numpy:
+            backend.from_wire(recv, wrecv)
+        if rb is not None:
+            unpack(dest, recv, rb)
+        elif recv is not dest:
+            dest[...] = recv  # rounds float32 sums back to half precision
+    if out is None or dest is out:
+        return dest
+    out[...] = dest  # a non-contiguous out, written once at the end
+    return out
 
 
-def all_reduce(self: Any, x: Any, op: str = "sum", out: Any = None) -> Any:
-    """Reduce ``x`` element-wise over the group; every rank gets the result.
+def _args(plan: Plan, send: Any, recv: Any) -> tuple:
+    receive = [recv, *plan.recv_spec]
+    if send is None:
+        return (receive, *plan.tail)
+    return (send if send is _IN_PLACE else [send, *plan.send_spec], receive, *plan.tail)
 
-    Parameters
-    ----------
-    x : numpy.ndarray or cupy.ndarray
-        Same shape and dtype on every rank; any memory layout.
-    op : {"sum", "max", "min"}
-        The reduction. float16 and bfloat16 are reduced in float32 and rounded
-        once at the end.
-    out : array, optional
-        Where to write the result (same module, shape and dtype as ``x``). It
-        may be ``x`` itself (in place); otherwise it must not overlap ``x``.
 
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
+# --------------------------------------------------------------------------- operations
 
-    Raises
-    ------
-    ValueError
-        For an unknown ``op``, a wrong ``out``, or a count MPI cannot express.
+
+def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = None,
+               label: str | None = None) -> Any:
+    """Body of :meth:`pympar.group.Group.all_reduce`; ``label`` names the caller."""
+    x = _array(x, "all_reduce")
+    key = ("all_reduce", x.shape, x.dtype, op)
+    plan = group._plans.get(key)
+    if plan is None:
+        plan = _new_plan(group, x, "all_reduce", op, out_shape=x.shape, method="Allreduce")
+        plan.send_spec = plan.recv_spec = (plan.mpi_type,)
+        plan.tail = (plan.op,)
+        plan.key = ("all_reduce", x.shape, plan.work.str, op)
+        plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
+        _finish(group, plan, key, x.shape, (x.size,))
+    return _run(group, plan, x, out, label)
+
+
+def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
+              label: str | None = None) -> Any:
+    """Body of :meth:`pympar.group.Group.broadcast`; ``label`` names the caller."""
+    x = _array(x, "broadcast")
+    key = ("broadcast", x.shape, x.dtype, root)
+    plan = group._plans.get(key)
+    if plan is None:
+        root = _index(root, "broadcast", "root")
+        if not 0 <= root < group.size:
+            raise ValueError(f"broadcast: root {root} is not a rank of group {group.name!r} "
+                             f"of size {group.size} (root is a rank in the group)")
+        plan = _new_plan(group, x, "broadcast", out_shape=x.shape, method="Bcast", tail=(root,))
+        plan.recv_spec = (plan.mpi_type,)
+        plan.key = ("broadcast", x.shape, plan.work.str, root)
+        plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
+        _finish(group, plan, key, x.shape, (x.size,))
+    return _run(group, plan, x, out, label)
+
+
+def _gathered_sizes(group: pympar.group.Group, x: Any, axis: int, sizes: Any, what: str, key: tuple,
+                    name: str | None) -> tuple[tuple[int, ...], bool]:
+    """Every rank's extent along ``axis`` and whether the ranks already agreed on the call.
+
+    Without ``sizes`` one small Allgather carries each rank's extent and the checksum of
+    the rest of its call, so it also serves as the agreement check.
     """
-    if _hooked:
-        return _hooked_call(self, "all_reduce", _all_reduce, x, out, (op, out), lambda a: (
-            ("all_reduce", a.shape, str(a.dtype), op), _describe("all_reduce", a, op=op)))
-    if type(x) is _ndarray:
-        fast = _FAST_REDUCE.get((x.dtype, op))
-        # The common case in a few attribute checks: C-contiguous NumPy data
-        # reduced in its own dtype into a fresh array, out, or in place.
-        if fast is not None and x.flags.c_contiguous and x.size <= INT_MAX and self.size > 1:
-            if out is None:
-                out = np.empty(x.shape, x.dtype)
-            elif out is x:
-                self.comm.Allreduce(_IN_PLACE, [x, fast[0]], fast[1])
-                return x
-            elif not (type(out) is _ndarray and out.shape == x.shape and out.dtype == x.dtype
-                      and out.flags.c_contiguous):
-                return _all_reduce(self, x, op, out, None)
-            self.comm.Allreduce([x, fast[0]], [out, fast[0]], fast[1])
-            return out
-    return _all_reduce(self, x, op, out, None)
+    extent = x.shape[axis]
+    if sizes is not None:
+        sizes = tuple(_index(s, what, "sizes[i]") for s in sizes)
+        if len(sizes) == group.size and sizes[group.rank] == extent:
+            return sizes, False
+        shown = f"{what}(shape={x.shape}, axis={axis}, sizes={sizes}, sizes fit: False)"
+        # Join the check the other ranks are about to make, with a key that cannot match,
+        # so that they raise too instead of waiting for this rank.
+        bad = Plan(key=key + ("sizes do not fit",), shown=shown, sig=0)
+        nbytes = sum(sizes) * math.prod(x.shape[:axis] + x.shape[axis + 1:]) * x.itemsize
+        if group.size > 1 and debug.is_enabled():
+            debug.verify(group, (bad.key, name), debug.describe(shown, name), None, x)
+        elif group.size > 1 and (debug.get_timeout() is not None or nbytes >= CHECK_BYTES):
+            _agree(group, bad, name, x)
+        raise ValueError(f"{shown} on group {group.name!r}: sizes (every rank's extent along "
+                         f"the axis, in group-rank order) do not fit {group.size} ranks with "
+                         f"this rank ({group.rank}) holding {extent}")
+    if group.size == 1:
+        return (extent,), True
+    if group.comm == MPI.COMM_NULL:
+        _new_plan(group, x, what)  # raises: the group is freed
+    s = zlib.crc32(repr((key, name)).encode())
+    table = np.empty((group.size, 2), np.int64)
+    _mpi(group, "Allgather", ([np.array([extent, s], np.int64), MPI.INT64_T],
+                              [table, MPI.INT64_T]), f"{what} (agreeing sizes)")
+    if (table[:, 1] != s).any():
+        _mismatch(group, key, name, f"{what}(shape={x.shape}, dtype={x.dtype}, axis={axis})", x)
+    return tuple(table[:, 0].tolist()), True
 
 
-# --------------------------------------------------------------------------- all_gather
+def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
+               sizes: Sequence[int] | None = None, label: str | None = None) -> Any:
+    """Body of :meth:`pympar.group.Group.all_gather`; ``label`` names the caller."""
+    x = _array(x, "all_gather")
+    checked = False
+    if type(sizes) is not tuple or not x.ndim:
+        if not x.ndim:
+            raise ValueError("all_gather needs an array of at least one dimension")
+        ax = _axis(axis, x.ndim, "all_gather")
+        masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
+        sizes, checked = _gathered_sizes(group, x, ax, sizes, "all_gather",
+                                         ("all_gather", masked, x.dtype.str, ax, sizes),
+                                         label or _label)
+    key = ("all_gather", x.shape, x.dtype, axis, sizes)
+    plan = group._plans.get(key)
+    if plan is None:
+        ax = _axis(axis, x.ndim, "all_gather")
+        sizes, _ = _gathered_sizes(group, x, ax, sizes, "all_gather", (), label or _label)
+        shape = x.shape[:ax] + (sum(sizes),) + x.shape[ax + 1:]
+        b = Blocks(shape, ax, sizes)
+        plan = _new_plan(group, x, "all_gather", out_shape=shape, recv=None if b.lead == 1 else b)
+        plan.method = "Allgather" if b.even else "Allgatherv"
+        plan.send_spec = (plan.mpi_type,)
+        plan.recv_spec = (plan.mpi_type,) if b.even else ((b.counts, b.displs), plan.mpi_type)
+        plan.key = ("all_gather", shape[:ax] + (-1,) + shape[ax + 1:], plan.work.str, ax, sizes)
+        plan.shown = f"all_gather(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes={sizes})"
+        _finish(group, plan, key, shape, b.counts + b.displs)
+    return _run(group, plan, x, out, label, checked)
 
 
-def all_gather(self: Any, x: Any, axis: int = 0, out: Any = None,
-               sizes: Sequence[int] | None = None) -> Any:
-    """Concatenate every rank's ``x`` along ``axis``, in rank order, on every rank.
-
-    The result equals ``numpy.concatenate([x_0, ..., x_{p-1}], axis)``.
-
-    Parameters
-    ----------
-    x : numpy.ndarray or cupy.ndarray
-        This rank's block; all dimensions but ``axis`` must agree across ranks
-        (checked in debug mode), the extent along ``axis`` may differ.
-    axis : int, default 0
-        The axis to concatenate along.
-    out : array, optional
-        Where to write the result; must not overlap ``x``.
-    sizes : sequence of int, optional
-        Every rank's extent along ``axis``, in rank order, when the caller knows
-        them (e.g. ``balanced_sizes(n, group.size)``). Without it the ranks
-        agree on them with one extra small Allgather.
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-
-    Raises
-    ------
-    ValueError
-        For a bad ``axis``, ``sizes`` inconsistent with ``x``, a wrong ``out``,
-        or a count MPI cannot express.
-    """
-    if _hooked:
-        return _hooked_call(self, "all_gather", _all_gather, x, out, (axis, out, sizes),
-                            lambda a: _gather_signature(self, a, axis, sizes))
-    if type(x) is _ndarray and type(sizes) is tuple:
-        plan = self._plans.get(("all_gather", x.shape, x.dtype, axis, sizes))
-        if plan is not None:
-            b = plan.recv
-            # Inline common case: C-contiguous NumPy blocks that MPI writes
-            # straight into a fresh array or a C-contiguous out.
-            if b.contiguous and x.flags.c_contiguous:
-                if out is None:
-                    out = np.empty(plan.out_shape, x.dtype)
-                elif not (type(out) is _ndarray and out.shape == plan.out_shape
-                          and out.dtype == x.dtype and out.flags.c_contiguous):
-                    return _run_gather(self, plan, x, out, None)
-                t = plan.mpi_type
-                if b.even:
-                    self.comm.Allgather([x, t], [out, t])
-                else:
-                    self.comm.Allgatherv([x, t], [out, (b.counts, b.displs), t])
-                return out
-            return _run_gather(self, plan, x, out, None)
-    return _all_gather(self, x, axis, out, sizes, None)
+def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
+                   op: str = "sum", label: str | None = None) -> Any:
+    """Body of :meth:`pympar.group.Group.reduce_scatter`; ``label`` names the caller."""
+    x = _array(x, "reduce_scatter")
+    key = ("reduce_scatter", x.shape, x.dtype, axis, op)
+    plan = group._plans.get(key)
+    if plan is None:
+        if not x.ndim:
+            raise ValueError("reduce_scatter needs an array of at least one dimension")
+        ax = _axis(axis, x.ndim, "reduce_scatter")
+        sizes = balanced_sizes(x.shape[ax], group.size)
+        b = Blocks(x.shape, ax, sizes)
+        shape = x.shape[:ax] + (sizes[group.rank],) + x.shape[ax + 1:]
+        plan = _new_plan(group, x, "reduce_scatter", op, out_shape=shape,
+                         send=None if b.lead == 1 else b)
+        plan.method = "Reduce_scatter_block" if b.even else "Reduce_scatter"
+        plan.send_spec = plan.recv_spec = (plan.mpi_type,)
+        plan.tail = (plan.op,) if b.even else (b.counts, plan.op)
+        plan.key = ("reduce_scatter", x.shape, plan.work.str, ax, op)
+        plan.shown = f"reduce_scatter(shape={x.shape}, dtype={x.dtype}, axis={ax}, op={op!r})"
+        if x.size > INT_MAX and not large_counts_supported() and group.size > 1:
+            # Built-in reductions refuse derived datatypes: reduce it all, keep my block.
+            plan.method = None
+            plan.tail = (slice(None),) * ax + (block_slice(x.shape[ax], group.size, group.rank),)
+        _finish(group, plan, key, x.shape, ())
+    if plan.method is None:
+        mine = all_reduce(group, x, op, None, label)[plan.tail]
+        if out is None:
+            return mine.copy()
+        out[...] = mine
+        return out
+    return _run(group, plan, x, out, label)
 
 
-def _fits(group: Any, x: Any, axis: int, known: tuple[int, ...] | None) -> bool:
-    """Whether ``sizes`` given by the caller match this rank's extent (debug mode)."""
-    return known is None or (len(known) == group.size and 0 <= axis < x.ndim
-                             and known[group.rank] == x.shape[axis])
-
-
-def _gather_signature(group: Any, x: Any, axis: int, sizes: Sequence[int] | None) -> tuple:
-    axis = _normalize_axis(axis, x.ndim, "all_gather") if x.ndim else axis
-    masked = tuple("*" if i == axis else n for i, n in enumerate(x.shape))
-    known = None if sizes is None else tuple(int(s) for s in sizes)
-    fits = _fits(group, x, axis, known)
-    return (("all_gather", masked, str(x.dtype), axis, known, fits),
-            _describe("all_gather", x, axis=axis, sizes=known, sizes_fit=fits))
-
-
-# --------------------------------------------------------------------------- reduce_scatter
-
-
-def reduce_scatter(self: Any, x: Any, axis: int = 0, out: Any = None, op: str = "sum") -> Any:
-    """Reduce ``x`` over the group and give each rank its block along ``axis``.
-
-    ``axis`` is split with the balanced rule of ``numpy.array_split``: rank
-    ``r`` receives block ``r`` of the element-wise reduction.
-
-    Parameters
-    ----------
-    x : numpy.ndarray or cupy.ndarray
-        Same shape and dtype on every rank; any memory layout.
-    axis : int, default 0
-        The axis to split.
-    out : array, optional
-        Where to write this rank's block; must not overlap ``x``.
-    op : {"sum", "max", "min"}
-        The reduction; float16 and bfloat16 reduce in float32.
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-    """
-    if _hooked:
-        return _hooked_call(self, "reduce_scatter", _reduce_scatter, x, out, (axis, out, op),
-                            lambda a: (("reduce_scatter", a.shape, str(a.dtype), axis, op),
-                                       _describe("reduce_scatter", a, axis=axis, op=op)))
-    if type(x) is _ndarray:
-        plan = self._plans.get(("reduce_scatter", x.shape, x.dtype, axis, op))
-        if plan is not None:
-            b = plan.send
-            if plan.fast and x.flags.c_contiguous:
-                # Inline common case: C-contiguous NumPy blocks reduced in their
-                # own dtype straight into a fresh array or a C-contiguous out.
-                if out is None:
-                    out = np.empty(plan.out_shape, x.dtype)
-                elif not (type(out) is _ndarray and out.shape == plan.out_shape
-                          and out.dtype == x.dtype and out.flags.c_contiguous):
-                    return _run_reduce_scatter(self, plan, x, out, op, None)
-                t = plan.mpi_type
-                if b.even:
-                    self.comm.Reduce_scatter_block([x, t], [out, t], plan.op)
-                else:
-                    self.comm.Reduce_scatter([x, t], [out, t], b.counts, plan.op)
-                return out
-            return _run_reduce_scatter(self, plan, x, out, op, None)
-    return _reduce_scatter(self, x, axis, out, op, None)
-
-
-# --------------------------------------------------------------------------- all_to_all
-
-
-def all_to_all(self: Any, x: Any, split_axis: int, concat_axis: int, out: Any = None,
-               sizes: Sequence[int] | None = None) -> Any:
-    """Split ``x`` along ``split_axis``, send block ``q`` to rank ``q``, concatenate along ``concat_axis``.
-
-    ``split_axis`` is split with the balanced rule. Rank ``r`` receives block
-    ``r`` of every rank's ``x`` and concatenates them in rank order along
-    ``concat_axis``: the result equals ``numpy.concatenate([array_split(x_q,
-    p, split_axis)[r] for q in range(p)], concat_axis)``.
-
-    Parameters
-    ----------
-    x : numpy.ndarray or cupy.ndarray
-        All dimensions but ``concat_axis`` must agree across ranks.
-    split_axis, concat_axis : int
-        Different axes.
-    out : array, optional
-        Where to write the result; must not overlap ``x``.
-    sizes : sequence of int, optional
-        Every rank's extent along ``concat_axis`` when the caller knows them;
-        otherwise one extra small Allgather agrees on them.
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-    """
-    if _hooked:
-        return _hooked_call(self, "all_to_all", _all_to_all, x, out,
-                            (split_axis, concat_axis, out, sizes),
-                            lambda a: _a2a_signature(self, a, split_axis, concat_axis, sizes))
-    if type(x) is _ndarray and type(sizes) is tuple:
-        plan = self._plans.get(("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes))
-        if plan is not None:
-            return _run_all_to_all(self, plan, x, out, None)
-    return _all_to_all(self, x, split_axis, concat_axis, out, sizes, None)
-
-
-def _a2a_signature(group: Any, x: Any, split_axis: int, concat_axis: int, sizes: Any) -> tuple:
-    concat = concat_axis + x.ndim if concat_axis < 0 else concat_axis
-    split = split_axis + x.ndim if split_axis < 0 else split_axis
-    masked = tuple("*" if i == concat else n for i, n in enumerate(x.shape))
-    known = None if sizes is None else tuple(int(s) for s in sizes)
-    fits = _fits(group, x, concat, known)
-    return (("all_to_all", masked, str(x.dtype), split, concat, known, fits),
-            _describe("all_to_all", x, split_axis=split, concat_axis=concat, sizes=known,
-                      sizes_fit=fits))
-
-
-# --------------------------------------------------------------------------- broadcast
-
-
-def broadcast(self: Any, x: Any, root: int = 0, out: Any = None) -> Any:
-    """Return the root's ``x`` on every rank.
-
-    Parameters
-    ----------
-    x : numpy.ndarray or cupy.ndarray
-        On the root, the data; on the other ranks an array of the same shape
-        and dtype whose values are ignored.
-    root : int, default 0
-        The sending rank's position in the group.
-    out : array, optional
-        Where to write the result; may be ``x`` (in place).
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-    """
-    if _hooked:
-        return _hooked_call(self, "broadcast", _broadcast, x, out, (root, out), lambda a: (
-            ("broadcast", a.shape, str(a.dtype), root), _describe("broadcast", a, root=root)))
-    return _broadcast(self, x, root, out, None)
+def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: int,
+               out: Any = None, sizes: Sequence[int] | None = None,
+               label: str | None = None) -> Any:
+    """Body of :meth:`pympar.group.Group.all_to_all`; ``label`` names the caller."""
+    x = _array(x, "all_to_all")
+    checked = False
+    if type(sizes) is not tuple:
+        if not x.ndim:
+            raise ValueError("all_to_all needs an array of at least one dimension")
+        cat = _axis(concat_axis, x.ndim, "all_to_all")
+        masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]
+        sizes, checked = _gathered_sizes(
+            group, x, cat, sizes, "all_to_all",
+            ("all_to_all", masked, x.dtype.str, split_axis, cat, sizes), label or _label)
+    key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
+    plan = group._plans.get(key)
+    if plan is None:
+        split = _axis(split_axis, x.ndim, "all_to_all")
+        cat = _axis(concat_axis, x.ndim, "all_to_all")
+        if split == cat:
+            raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both are "
+                             f"{split}")
+        sizes, _ = _gathered_sizes(group, x, cat, sizes, "all_to_all", (), label or _label)
+        split_sizes = balanced_sizes(x.shape[split], group.size)
+        shape = list(x.shape)
+        shape[split], shape[cat] = split_sizes[group.rank], sum(sizes)
+        sb, rb = Blocks(x.shape, split, split_sizes), Blocks(tuple(shape), cat, sizes)
+        plan = _new_plan(group, x, "all_to_all", out_shape=tuple(shape),
+                         send=None if sb.lead == 1 else sb, recv=None if rb.lead == 1 else rb)
+        t = plan.mpi_type
+        if sb.even and rb.even and sb.counts[0] == rb.counts[0]:
+            plan.method, plan.send_spec, plan.recv_spec = "Alltoall", (t,), (t,)
+        else:
+            plan.method = "Alltoallv"
+            plan.send_spec = ((sb.counts, sb.displs), t)
+            plan.recv_spec = ((rb.counts, rb.displs), t)
+        global_shape = list(x.shape)
+        global_shape[cat] = -1
+        plan.key = ("all_to_all", tuple(global_shape), plan.work.str, split, cat, sizes)
+        plan.shown = (f"all_to_all(shape={x.shape}, dtype={x.dtype}, split_axis={split}, "
+                      f"concat_axis={cat}, sizes={sizes})")
+        _finish(group, plan, key, tuple(global_shape[:cat]) + (sum(sizes),) + x.shape[cat + 1:],
+                sb.counts + sb.displs + rb.counts + rb.displs)
+    return _run(group, plan, x, out, label, checked)

@@ -1,6 +1,8 @@
 """Debug mode and timeouts for pympar collectives.
 
-Two independent switches, both off by default and both read once at import:
+Without either switch, collectives above :data:`pympar.collectives.CHECK_BYTES` already
+check, cheaply, that every rank makes the same call (see :mod:`pympar.collectives`).
+Two independent switches, both off by default and both read once at import, go further:
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
     Before every collective and every mapping, the ranks of the group exchange
@@ -13,7 +15,8 @@ Two independent switches, both off by default and both read once at import:
 ``PYMPAR_TIMEOUT=seconds`` (or :func:`set_timeout`)
     Collectives run as their non-blocking variants and are polled until done;
     one that is not complete in time raises :class:`CollectiveTimeoutError`
-    naming the operation, the group and the rank. Every rank of a group must
+    naming the operation, the group and the rank. Every call is then checked for
+    agreement, whatever its size. Every rank of a group must
     use the same setting: MPI never matches a non-blocking collective with a
     blocking one. After a timeout the group's communicator has a pending
     operation and cannot be used again; the error is meant to end the run
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -44,6 +48,10 @@ __all__ = [
     "get_timeout",
     "debug_mode",
     "check",
+    "verify",
+    "describe",
+    "check_mapping",
+    "parse_bytes",
     "wait",
 ]
 
@@ -99,6 +107,20 @@ def _parse_timeout(value: str) -> float | None:
     except ValueError:
         raise ValueError(f"PYMPAR_TIMEOUT must be a number of seconds > 0, "
                          f"not {value!r}") from None
+
+
+def parse_bytes(variable: str, default: str) -> int:
+    """Read a byte count >= 0 from the environment ``variable`` (``default`` when unset).
+
+    Raises
+    ------
+    ValueError
+        When the value is not a whole number >= 0.
+    """
+    value = os.environ.get(variable, default).strip() or default
+    if not value.isdigit():
+        raise ValueError(f"{variable} must be a number of bytes >= 0, not {value!r}")
+    return int(value)
 
 
 _enabled: bool = _parse_flag(os.environ.get("PYMPAR_DEBUG", ""))
@@ -300,3 +322,66 @@ def check(group: Any, signature: tuple, display: str, timeout: float | None = No
         f"ranks of group {group.name!r} disagree on a collective (this is "
         f"{_where(group, group.rank)}, calling {display}); ranks {differ} differ from "
         f"rank 0. Calls: {calls}")
+
+
+def describe(call: str, label: str | None) -> str:
+    """A call in words for error messages: ``call`` plus the label it ran under, if any."""
+    return f"{call} in {label}" if label else call
+
+
+def verify(group: Any, signature: tuple, display: str, out: Any, x: Any) -> None:
+    """The full debug-mode check of a collective: :func:`check`, plus an overlapping ``out``.
+
+    Whether ``out`` overlaps the input is a fact only this rank can see; it goes into the
+    compared signature, so that a rank about to refuse it makes every rank raise instead
+    of leaving the others waiting.
+
+    Parameters
+    ----------
+    group : Group
+        The group the call is about to run on.
+    signature : tuple
+        What must be equal on every rank.
+    display : str
+        The call in words (:func:`describe`).
+    out, x : array or None
+        The call's ``out`` and input.
+
+    Raises
+    ------
+    CollectiveMismatchError
+        On every rank, when the ranks' signatures differ.
+    ValueError
+        When ``out`` overlaps ``x`` without being ``x``.
+    """
+    overlap = (out is not None and out is not x and type(out) is type(x)
+               and bool(sys.modules[type(x).__module__.split(".")[0]].may_share_memory(out, x)))
+    check(group, (signature, overlap), f"{display}, out overlaps input: {overlap}", _timeout)
+    if overlap:
+        raise ValueError(f"{display} on group {group.name!r}: out overlaps the input without "
+                         f"being the input itself")
+
+
+def check_mapping(group: Any, name: str, x: Any, options: dict[str, Any]) -> None:
+    """Compare the mapping every rank of ``group`` calls, before its step runs.
+
+    Parameters
+    ----------
+    group : Group
+        The mapping's group.
+    name : str
+        The mapping and direction, e.g. ``"copy_to_all.forward"``.
+    x : array
+        The mapping's input (its dtype and number of dimensions are compared).
+    options : dict
+        Its keywords (``global_size``, ``seq_axis``, ...); None values are left out.
+
+    Raises
+    ------
+    CollectiveMismatchError
+        On every rank, when two ranks call different mappings or pass different options.
+    """
+    given = tuple(sorted((k, v) for k, v in options.items() if v is not None))
+    shown = "".join(f", {k}={v!r}" for k, v in given)
+    check(group, ("mapping", name, str(x.dtype), x.ndim, repr(given)),
+          f"{name}(shape={x.shape}, dtype={x.dtype}{shown})", _timeout)

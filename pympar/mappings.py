@@ -14,8 +14,14 @@ meant. Each backward is the adjoint of its forward in these terms:
 ``<m(x), y> == <x, m.backward(y)>``, replicated arrays counted once, sharded and
 partial arrays summed over ranks.
 
-Mappings that gather take ``size=``, the global extent of the gathered axis: it
-spares the ranks one small exchange to learn each other's block sizes.
+Mappings that gather take ``global_size=``, the global extent of the gathered axis (not a
+rank count): it spares the ranks one small exchange to learn each other's block sizes.
+The former name ``size=`` still works for one release, with a ``DeprecationWarning``.
+"Rank" here is always the rank in the mapping's group.
+
+:func:`label` names the collectives of a block of code (``with
+pympar.mappings.label("Linear3D.backward"):``) in statistics and debug errors, as each
+mapping names its own (``"gather_from_sequence.forward"``).
 
 Forward / backward of each mapping:
 
@@ -37,15 +43,17 @@ Forward / backward of each mapping:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
-from . import collectives as _collectives
-from . import debug, manager
-from .collectives import balanced_sizes, block_slice
+from . import collectives, debug, manager
+from .collectives import label
 from .group import Group
+from .partition import balanced_sizes, block_slice
 
 __all__ = [
     "Mapping",
+    "label",
     "copy_to_all",
     "reduce_from_all",
     "scatter_to_hidden",
@@ -69,17 +77,18 @@ def _block_range(n: int, parts: int, rank: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------- steps
-# A step is one direction of a mapping: step(group, x, out, sizes, /, **options) -> y,
-# where sizes (every rank's extent of the gathered axis, from size=) is None
-# unless the caller knows them. Positional-only, so no option can collide.
+# A step is one direction of a mapping: step(group, x, out, sizes, name, /, **options) -> y,
+# where sizes (every rank's extent of the gathered axis, from global_size=) is None unless
+# the caller knows them, and name labels the collective. Positional-only, so no option can
+# collide.
 
 
 def _no_sizes(sizes: Any, what: str) -> None:
     if sizes is not None:
-        raise TypeError(f"{what} gathers nothing: it takes no size=")
+        raise TypeError(f"{what} gathers nothing: it takes no global_size=")
 
 
-def _identity(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+def _identity(group: Group, x: Any, out: Any, sizes: Any = None, name: Any = None, /) -> Any:
     _no_sizes(sizes, "identity")
     if out is None or out is x:
         return x
@@ -87,13 +96,13 @@ def _identity(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
     return out
 
 
-def _all_reduce(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+def _all_reduce(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
     _no_sizes(sizes, "all-reduce")
-    return group.all_reduce(x, "sum", out)
+    return collectives.all_reduce(group, x, "sum", out, name)
 
 
 def _keep_block(axis: int) -> Step:
-    def keep_block(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+    def keep_block(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
         _no_sizes(sizes, "keep my block")
         if not x.ndim:
             raise ValueError("keep my block: the input has no axis to split")
@@ -109,34 +118,34 @@ def _keep_block(axis: int) -> Step:
 
 
 def _gather(axis: int) -> Step:
-    def all_gather(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
-        return group.all_gather(x, axis, out, sizes)
+    def all_gather(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
+        return collectives.all_gather(group, x, axis, out, sizes, name)
     return all_gather
 
 
 def _reduce_scatter(axis: int) -> Step:
-    def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any = None, /) -> Any:
+    def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
         _no_sizes(sizes, "reduce-scatter")
-        return group.reduce_scatter(x, axis, out)
+        return collectives.reduce_scatter(group, x, axis, out, "sum", name)
     return reduce_scatter
 
 
 def _reduce_scatter_or_keep(axis: int) -> Step:
     reduce, keep = _reduce_scatter(axis), _keep_block(axis)
 
-    def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any = None, /, *,
+    def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any, name: str, /, *,
                        tensor_parallel_output_grad: bool = True) -> Any:
         # False: the forward's output was replicated (counted once), so its
         # adjoint is the plain split, not a sum over ranks.
-        return (reduce if tensor_parallel_output_grad else keep)(group, x, out, sizes)
+        return (reduce if tensor_parallel_output_grad else keep)(group, x, out, sizes, name)
     return reduce_scatter
 
 
 def _all_to_all(split_heads: bool) -> Step:
-    def all_to_all(group: Group, x: Any, out: Any, sizes: Any = None, /, *,
+    def all_to_all(group: Group, x: Any, out: Any, sizes: Any, name: str, /, *,
                    seq_axis: int = SEQUENCE, head_axis: int = HIDDEN) -> Any:
         split, concat = (head_axis, seq_axis) if split_heads else (seq_axis, head_axis)
-        return group.all_to_all(x, split, concat, out, sizes)
+        return collectives.all_to_all(group, x, split, concat, out, sizes, name)
     return all_to_all
 
 
@@ -151,7 +160,7 @@ class Mapping:
     name : str
         The public name, shown in debug errors and statistics.
     forward, backward : callable
-        Steps ``step(group, x, out, **options) -> y``.
+        Steps ``step(group, x, out, sizes, label, **options) -> y``.
     default_group : callable
         Returns the group used when ``group=None``.
     doc : str
@@ -161,7 +170,8 @@ class Mapping:
     def __init__(self, name: str, forward: Step, backward: Step,
                  default_group: Callable[[], Group], doc: str) -> None:
         self.name = name
-        self._forward, self._backward = forward, backward
+        # Per direction: the step and the label its collective carries.
+        self._steps = ((forward, f"{name}.forward"), (backward, f"{name}.backward"))
         self._default_group = default_group
         self.__doc__ = doc
 
@@ -169,7 +179,7 @@ class Mapping:
         return f"<pympar mapping {self.name}>"
 
     def __call__(self, x: Any, group: Group | None = None, *, out: Any = None,
-                 size: int | None = None, **options: Any) -> Any:
+                 global_size: int | None = None, **options: Any) -> Any:
         """Apply the forward layout change.
 
         Parameters
@@ -177,74 +187,61 @@ class Mapping:
         x : numpy.ndarray or cupy.ndarray
             This rank's input.
         group : Group, optional
-            The group; the current TP group (CP group for the all-to-all pair)
-            when None.
+            The group; the current TP group (CP group for the all-to-all pair) when None.
         out : array, optional
-            Where to write the result (for communicating steps, a buffer
-            reused across calls avoids allocation).
-        size : int, optional
-            For a step that gathers: the global extent of the gathered axis,
-            which spares one small exchange of the ranks' block sizes.
+            Where to write the result (for communicating steps, a buffer reused across
+            calls avoids allocation).
+        global_size : int, optional
+            For a step that gathers: the global extent of the gathered axis (the sum of
+            every rank's block, not a rank count), which spares one small exchange of the
+            ranks' block sizes. ``size=`` is its deprecated former name.
         **options
             Mapping-specific keywords (``seq_axis``, ``head_axis``).
 
         Returns
         -------
         array
-            The result, of ``x``'s array module and dtype; ``x`` itself on a
-            group of one rank.
+            The result, of ``x``'s array module and dtype; ``x`` itself on a group of one
+            rank.
         """
-        if group is None:
-            group = self._default_group()
-        if group.size == 1:
-            return _identity(group, x, out)
-        sizes = None if size is None else balanced_sizes(size, group.size)
-        if _collectives._hooked:
-            return self._apply_hooked("forward", self._forward, x, group, out, sizes, options)
-        # (Unpacking an empty **options still costs a dict; skip it.)
-        return (self._forward(group, x, out, sizes, **options) if options
-                else self._forward(group, x, out, sizes))
+        return self._apply(0, x, group, out, global_size, options)
 
     def backward(self, dy: Any, group: Group | None = None, *, out: Any = None,
-                 size: int | None = None, **options: Any) -> Any:
+                 global_size: int | None = None, **options: Any) -> Any:
         """Apply the adjoint of the forward to the gradient ``dy``.
 
-        Parameters are those of ``__call__``; ``gather_from_sequence`` also
-        takes ``tensor_parallel_output_grad`` (default True).
+        Parameters are those of ``__call__``; ``gather_from_sequence`` also takes
+        ``tensor_parallel_output_grad`` (default True).
 
         Returns
         -------
         array
-            The gradient of the forward's input; ``dy`` itself on a group of
-            one rank.
+            The gradient of the forward's input; ``dy`` itself on a group of one rank.
         """
+        return self._apply(1, dy, group, out, global_size, options)
+
+    def _apply(self, direction: int, x: Any, group: Group | None, out: Any,
+               global_size: int | None, options: dict[str, Any]) -> Any:
+        """The one path of both directions: resolve the group and sizes, run the step."""
+        if options and "size" in options:
+            warnings.warn("the size= keyword of pympar mappings is deprecated; use "
+                          "global_size= (the global extent of the gathered axis)",
+                          DeprecationWarning, stacklevel=3)
+            global_size = options.pop("size")
         if group is None:
             group = self._default_group()
         if group.size == 1:
-            return _identity(group, dy, out)
-        sizes = None if size is None else balanced_sizes(size, group.size)
-        if _collectives._hooked:
-            return self._apply_hooked("backward", self._backward, dy, group, out, sizes, options)
-        return (self._backward(group, dy, out, sizes, **options) if options
-                else self._backward(group, dy, out, sizes))
-
-    def _apply_hooked(self, direction: str, step: Step, x: Any, group: Group, out: Any,
-                      sizes: tuple[int, ...] | None, options: dict[str, Any]) -> Any:
-        """Check that every rank calls the same mapping, and label its collective."""
-        label = f"{self.name}.{direction}"
-        x = _collectives._coerce(x)
-        if debug.is_enabled():
-            given = tuple(sorted(options.items())) + (
-                (("size", sum(sizes)),) if sizes is not None else ())
-            shown = "".join(f", {k}={v!r}" for k, v in given)
-            debug.check(group, ("mapping", label, str(x.dtype), x.ndim, repr(given)),
-                        f"{label}(shape={x.shape}, dtype={x.dtype}{shown})",
-                        debug.get_timeout())
-        saved, _collectives._caller = _collectives._caller, label
-        try:
-            return step(group, x, out, sizes, **options)
-        finally:
-            _collectives._caller = saved
+            return _identity(group, x, out)
+        step, name = self._steps[direction]
+        sizes = None if global_size is None else balanced_sizes(global_size, group.size)
+        if collectives._hooked and debug.is_enabled():
+            # Every rank must call the same mapping, even one whose step communicates
+            # nothing (copy_to_all's forward): compared here, in debug mode.
+            x = collectives._array(x, name)
+            debug.check_mapping(group, name, x, dict(options, global_size=global_size))
+        # (Unpacking an empty **options still costs a dict; skip it.)
+        return step(group, x, out, sizes, name, **options) if options else \
+            step(group, x, out, sizes, name)
 
 
 def _tp() -> Group:
@@ -253,7 +250,6 @@ def _tp() -> Group:
 
 def _cp() -> Group:
     return manager.get_context_parallel_group()  # type: ignore[return-value]
-
 
 def _mapping(name: str, forward: Step, backward: Step, doc: str,
              default_group: Callable[[], Group] = _tp) -> Mapping:
@@ -270,37 +266,38 @@ reduce_from_all = _mapping(
 scatter_to_hidden = _mapping(
     "scatter_to_hidden", _keep_block(HIDDEN), _gather(HIDDEN),
     "Forward: keep my block of the last axis. Backward: all-gather the last axis "
-    "(``size=`` the global extent).")
+    "(``global_size=`` the global extent).")
 gather_from_hidden = _mapping(
     "gather_from_hidden", _gather(HIDDEN), _keep_block(HIDDEN),
-    "Forward: all-gather the last axis (``size=`` the global extent). "
+    "Forward: all-gather the last axis (``global_size=`` the global extent). "
     "Backward: keep my block of the last axis.")
 reduce_scatter_to_hidden = _mapping(
     "reduce_scatter_to_hidden", _reduce_scatter(HIDDEN), _gather(HIDDEN),
     "Forward: reduce-scatter (sum) along the last axis. Backward: all-gather the last "
-    "axis (``size=`` the global extent).")
+    "axis (``global_size=`` the global extent).")
 scatter_to_sequence = _mapping(
     "scatter_to_sequence", _keep_block(SEQUENCE), _gather(SEQUENCE),
     "Forward: keep my block of axis 0 (a view when ``x`` is C-contiguous). "
-    "Backward: all-gather axis 0 (``size=`` the global extent).")
+    "Backward: all-gather axis 0 (``global_size=`` the global extent).")
 gather_from_sequence = _mapping(
     "gather_from_sequence", _gather(SEQUENCE), _reduce_scatter_or_keep(SEQUENCE),
-    "Forward: all-gather axis 0 (``size=`` the global extent). Backward: reduce-scatter "
+    "Forward: all-gather axis 0 (``global_size=`` the global extent). Backward: reduce-scatter "
     "axis 0, or keep my block with ``tensor_parallel_output_grad=False`` (when the "
     "forward's output is used as one replicated value).")
 reduce_scatter_to_sequence = _mapping(
     "reduce_scatter_to_sequence", _reduce_scatter(SEQUENCE), _gather(SEQUENCE),
     "Forward: reduce-scatter (sum) along axis 0. Backward: all-gather axis 0 "
-    "(``size=`` the global extent).")
+    "(``global_size=`` the global extent).")
 all_to_all_from_sequence_to_hidden = _mapping(
     "all_to_all_from_sequence_to_hidden", _all_to_all(True), _all_to_all(False),
     "Forward: [S/P, ..., H] -> [S, ..., H/P] over the context-parallel group: split the "
     "head axis (``head_axis``, default last), gather the sequence axis (``seq_axis``, "
-    "default 0; ``size=`` the global S). Backward: the inverse (``size=`` the global H).",
+    "default 0; ``global_size=`` the global S). Backward: the inverse (``global_size=`` the "
+    "global H).",
     _cp)
 all_to_all_from_hidden_to_sequence = _mapping(
     "all_to_all_from_hidden_to_sequence", _all_to_all(False), _all_to_all(True),
     "Forward: [S, ..., H/P] -> [S/P, ..., H] over the context-parallel group: split the "
-    "sequence axis, gather the head axis (``size=`` the global H). Backward: the inverse "
-    "(``size=`` the global S).",
+    "sequence axis, gather the head axis (``global_size=`` the global H). Backward: the inverse "
+    "(``global_size=`` the global S).",
     _cp)

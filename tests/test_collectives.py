@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import _general, _plans, _wire, backend, collectives
-from pympar.collectives import balanced_sizes
-from pympar.group import Group
+from pympar import backend, collectives
+from pympar.debug import CollectiveMismatchError
 from pympar.mesh import Mesh
 
 BF16 = backend.bfloat16
@@ -67,6 +66,11 @@ def laid_out(a: np.ndarray, layout: str, xp: Any) -> Any:
     view = big[..., 1::2]
     view[...] = xp.asarray(a)
     return view
+
+
+def split_sizes(n: int, parts: int) -> tuple[int, ...]:
+    """Extents of ``numpy.array_split`` of ``n`` items into ``parts`` (the sizes= argument)."""
+    return tuple(len(block) for block in np.array_split(np.empty(n), parts))
 
 
 def piece(a: np.ndarray, parts: int, axis: int, rank: int) -> np.ndarray:
@@ -201,7 +205,7 @@ def test_all_gather_balanced(xp, group, axis):
                 what = f"{dtype} {shape} axis {axis} {layout}"
                 check.equal(group.all_gather(x, axis), full, what)
                 out = xp.empty(shape, dtype)
-                y = group.all_gather(x, axis, out=out, sizes=balanced_sizes(n, p))
+                y = group.all_gather(x, axis, out=out, sizes=split_sizes(n, p))
                 check.true(y is out, what + " returns out")
                 check.equal(out, full, what + " sizes= out=")
     check.done()
@@ -278,10 +282,10 @@ def test_all_to_all_and_round_trip(xp, group, split_axis, concat_axis):
                 check.equal(y, expected, what)
                 out = xp.empty(expected.shape, dtype)
                 check.true(group.all_to_all(x, split_axis, concat_axis, out=out,
-                                            sizes=balanced_sizes(n, p)) is out, what + " out")
+                                            sizes=split_sizes(n, p)) is out, what + " out")
                 check.equal(out, expected, what + " sizes= out=")
                 back = group.all_to_all(y, concat_axis, split_axis,
-                                        sizes=balanced_sizes(shape[split_axis], p))
+                                        sizes=split_sizes(shape[split_axis], p))
                 check.equal(back, mine, what + " round trip")
     check.done()
 
@@ -315,100 +319,96 @@ def test_broadcast(xp, group):
 def test_argument_errors_raise_on_every_rank(group):
     x = np.zeros((4, 3))
     raises_everywhere(ValueError, "op must be one of", group.all_reduce, x, op="prod")
-    raises_everywhere(ValueError, "out has shape", group.all_reduce, x, out=np.zeros((3, 4)))
-    raises_everywhere(TypeError, "out is a", group.all_reduce, x, out=[0.0])
+    raises_everywhere(ValueError, "op must be one of", group.reduce_scatter, x, op=None)
+    raises_everywhere(ValueError, "out is a ndarray of shape", group.all_reduce, x,
+                      out=np.zeros((3, 4)))
+    raises_everywhere(TypeError, "out is a list", group.all_reduce, x, out=[0.0])
     raises_everywhere(ValueError, "axis 3 is out of range", group.all_gather, x, 3)
+    raises_everywhere(TypeError, "axis must be an int, not str", group.reduce_scatter, x, "0")
     raises_everywhere(ValueError, "sizes", group.all_gather, x, 0,
                       sizes=[4] * (group.size + 1))
     raises_everywhere(ValueError, "must differ", group.all_to_all, x, 1, -1)
     raises_everywhere(ValueError, "root", group.broadcast, x, root=group.size)
+    raises_everywhere(TypeError, "root must be an int", group.broadcast, x, root=0.5)
     raises_everywhere(ValueError, "at least one dimension", group.all_gather, np.float64(1.0))
+    raises_everywhere(TypeError, "x must be a numpy.ndarray or cupy.ndarray, not list",
+                      group.all_reduce, [1.0, 2.0])
     if group.size > 1:
         # Without sizes= the ranks agree on extents, and on the other dims on the way.
         ragged = np.zeros((2, 3 + (group.rank == 1)))
-        raises_everywhere(ValueError, r"ranks \[1\] disagree with rank 0", group.all_gather,
+        raises_everywhere(CollectiveMismatchError, r"ranks \[1\] differ", group.all_gather,
                           ragged, 0)
-        raises_everywhere(ValueError, "disagree", group.all_to_all, ragged.T.copy(), 0, 1)
+        raises_everywhere(CollectiveMismatchError, "all_to_all", group.all_to_all,
+                          ragged.T.copy(), 0, 1)
 
 
 @pytest.mark.mpi(min_size=1)
-def test_large_count_check_logic():
-    limit = collectives.INT_MAX
-    collectives.check_count(limit, "all_reduce", mpi_version=(3, 1))
-    collectives.check_count(limit + 1, "all_reduce", mpi_version=(4, 0))
-    with pytest.raises(ValueError, match=r"all_gather: a count of 2147483648 .* MPI-4"):
-        collectives.check_count(limit + 1, "all_gather", mpi_version=(3, 1))
-    assert collectives.large_counts_supported((4, 1))
+def test_dtypes_mpi_cannot_reduce_or_move_are_refused(group):
+    c = np.ones(4, np.complex128)
+    raises_everywhere(TypeError, "op='max' is not defined for complex", group.all_reduce, c, "max")
+    raises_everywhere(TypeError, "op='min' is not defined for complex", group.reduce_scatter,
+                      np.ones((group.size, 2), np.complex64), 0, None, "min")
+    pair = np.zeros(4, [("a", np.float64), ("b", np.int32)])
+    raises_everywhere(TypeError, "not dtype", group.all_gather, pair)
+    raises_everywhere(TypeError, "not dtype object", group.broadcast, np.array([None, 1]))
+    # Complex sums are fine.
+    total = group.all_reduce(np.full(3, 1 + 2j))
+    agree(np.array_equal(total, np.full(3, group.size * (1 + 2j))), str(total))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bool_reductions_follow_numpy_and_byte_order_is_normalized(group):
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(61)
+    flags = rng.random((p, 3, 5)) < 0.3
+    values = rng.standard_normal((p, 6, 2))
+    check = Checks()
+    for op, ufunc in (("sum", np.logical_or), ("max", np.maximum), ("min", np.minimum)):
+        check.equal(group.all_reduce(flags[r], op), ufunc.reduce(flags, axis=0), f"bool {op}")
+    for order in (">", "<"):
+        x = values[r].astype(np.dtype(np.float64).newbyteorder(order))
+        check.close(group.all_reduce(x), values.sum(axis=0), f"all_reduce {order}f8")
+        check.equal(group.all_gather(x, 1), np.concatenate(list(values), axis=1),
+                    f"all_gather {order}f8")
+    check.done()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_freed_group_says_so():
+    group = Mesh(WORLD, {"w": WORLD.size}).group("w", key="freed")
+    group.all_reduce(np.ones(2))
+    group.free()
+    for call in (lambda: group.all_reduce(np.ones(2)), lambda: group.all_gather(np.ones(2)),
+                 lambda: group.broadcast(np.ones(2)),
+                 lambda: group.all_to_all(np.ones((2, 2)), 0, 1)):
+        raises_everywhere(RuntimeError, "group 'freed-.*' has been freed", call)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_counts_beyond_mpi3_int_move_in_units_or_chunks(group, monkeypatch):
+    # Pretend the library is MPI-3 and int counts stop at 30 elements: every collective
+    # must still give NumPy's result (derived-datatype units or several calls).
+    assert collectives.large_counts_supported((4, 0))
     assert not collectives.large_counts_supported((3, 1))
-
-
-@pytest.mark.mpi(min_size=1)
-def test_large_messages_are_refused_before_mpi_without_large_counts(group, monkeypatch):
-    # Pretend int counts stop at 10 elements and the library is MPI-3: every
-    # collective must refuse with ValueError on every rank, before calling MPI.
-    # Each module that compares counts with INT_MAX reads it as its own global
-    # (no attribute lookup on the fast path), so each one is patched.
-    for module in (collectives, _general, _wire):
-        monkeypatch.setattr(module, "INT_MAX", 10)
-    monkeypatch.setattr(_wire, "large_counts_supported", lambda version=None: False)
-    group._plans.clear()
-    x = np.zeros((group.size, 11))
-    if group.size > 1:
-        raises_everywhere(ValueError, "exceeds 10", group.all_reduce, x)
-        raises_everywhere(ValueError, "exceeds 10", group.all_gather, x, 1,
-                          sizes=[11] * group.size)
-        raises_everywhere(ValueError, "exceeds 10", group.reduce_scatter, x, 1)
-        raises_everywhere(ValueError, "exceeds 10", group.all_to_all, x, 0, 1,
-                          sizes=[11] * group.size)
-        raises_everywhere(ValueError, "exceeds 10", group.broadcast, x)
-    group._plans.clear()
-
-
-@pytest.mark.mpi(min_size=1)
-def test_hot_path_reuses_plans_and_buffers(group):
-    x = np.ones((6, 4), np.float16)
-    out = np.empty((6, 4 * group.size), np.float16)
-    for _ in range(3):
-        group.all_reduce(x)
-        group.all_gather(x, 1, out=out, sizes=[4] * group.size)
-    buffers = dict(group._buffers)
-    plans = dict(group._plans)
-    group.all_reduce(x)
-    group.all_gather(x, 1, out=out, sizes=[4] * group.size)
-    same = all(group._buffers[k] is v for k, v in buffers.items())
-    agree(same and group._plans == plans and len(group._buffers) <= _plans._MAX_BUFFERS,
-          "a repeated call allocated new scratch buffers or plans")
-
-
-@pytest.mark.mpi(min_size=1)
-def test_balanced_sizes_matches_array_split():
-    for n in range(0, 12):
-        for parts in range(1, 9):
-            expected = tuple(len(a) for a in np.array_split(np.arange(n), parts))
-            assert balanced_sizes(n, parts) == expected
-
-
-
-@pytest.mark.mpi(min_size=1)
-def test_buffer_cache_is_bounded_and_releasable(group, monkeypatch):
-    monkeypatch.setattr(_plans, "_MAX_BUFFER_BYTES", 4096)
+    monkeypatch.setattr(collectives, "INT_MAX", 30)
+    monkeypatch.setattr(collectives, "large_counts_supported", lambda version=None: False)
     group.release_buffers()
-    for n in range(1, 40):
-        group.all_reduce(np.ones((n, 8), np.float16))  # float32 scratch of n * 32 bytes
-    sizes = [b.nbytes for b in group._buffers.values()]
-    ok = len(sizes) <= _plans._MAX_BUFFERS and sum(sizes) <= 4096
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(71)
+    check = Checks()
+    full = random(rng, (4 * p + 1, 10), np.float64)  # uneven rows: units of 10 elements
+    inputs = [random(rng, (4 * p, 10), np.float64) for _ in range(p)]
+    check.equal(group.all_gather(piece(full, p, 0, r), 0), full, "all_gather uneven")
+    even = full[:4 * p]
+    check.equal(group.all_gather(piece(even, p, 0, r), 0), even, "all_gather even")
+    check.close(group.all_reduce(inputs[r]), np.sum(inputs, axis=0), "all_reduce")
+    check.close(group.reduce_scatter(inputs[r], 0), piece(np.sum(inputs, axis=0), p, 0, r),
+                "reduce_scatter")
+    check.equal(group.broadcast(inputs[r], p - 1), inputs[p - 1], "broadcast")
+    big = np.concatenate(inputs, axis=1)  # (4p, 10p): rank r holds column block r
+    check.equal(group.all_to_all(inputs[r], 0, 1), piece(big, p, 0, r), "all_to_all")
     group.release_buffers()
-    agree(ok and not group._buffers and not group._plans, f"cached {sizes}")
-
-
-@pytest.mark.mpi(min_size=1)
-def test_public_names_and_group_methods_stay_in_place():
-    for name in collectives.__all__:
-        assert hasattr(collectives, name), name
-    assert collectives.INT_MAX == _wire.INT_MAX == 2**31 - 1
-    assert collectives.balanced_sizes is _wire.balanced_sizes
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
-        assert getattr(Group, name) is getattr(collectives, name), name
+    check.done()
 
 
 @pytest.mark.mpi(min_size=1)
@@ -420,19 +420,8 @@ def test_mpi_datatypes_are_predefined():
         datatype = backend.mpi_datatype(dtype)
         assert datatype.is_predefined, dtype
         assert datatype.Get_size() == backend.wire_dtype(dtype).itemsize, dtype
-    # Types without a predefined datatype still get dtlib's.
+    # Types without a predefined datatype still get dtlib's (the collectives refuse them).
     pair = np.dtype([("a", np.float64), ("b", np.int32)])
     assert backend.mpi_datatype(pair).Get_size() == pair.itemsize
     with pytest.raises(TypeError, match="cannot send arrays of dtype object"):
         backend.mpi_datatype(np.dtype(object))
-
-
-def test_block_slice_matches_array_split():
-    from pympar.collectives import block_slice
-
-    for n in range(0, 23):
-        for parts in range(1, 9):
-            expected = np.array_split(np.arange(n), parts)
-            got = [np.arange(n)[block_slice(n, parts, r)] for r in range(parts)]
-            assert all(np.array_equal(a, b) for a, b in zip(got, expected)), (n, parts)
-            assert [len(g) for g in got] == list(balanced_sizes(n, parts))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere
 from pympar import collectives, debug, mappings
@@ -46,18 +47,17 @@ def switches_off():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_switches_and_the_single_hook_flag():
+def test_switches_and_their_context_manager():
     assert not debug.is_enabled() and debug.get_timeout() is None
-    assert collectives._hooked is False
     debug.enable()
-    assert debug.is_enabled() and collectives._hooked
+    assert debug.is_enabled()
     debug.disable()
-    assert not collectives._hooked
+    assert not debug.is_enabled()
     with debug_mode(timeout=2.5):
-        assert debug.is_enabled() and debug.get_timeout() == 2.5 and collectives._hooked
+        assert debug.is_enabled() and debug.get_timeout() == 2.5
         with debug_mode(enabled=False):
             assert not debug.is_enabled() and debug.get_timeout() == 2.5
-    assert not debug.is_enabled() and debug.get_timeout() is None and not collectives._hooked
+    assert not debug.is_enabled() and debug.get_timeout() is None
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="timeout"):
             debug.set_timeout(bad)
@@ -75,6 +75,17 @@ def test_environment_parsing():
         debug._parse_timeout("soon")
     with pytest.raises(ValueError, match="PYMPAR_TIMEOUT"):
         debug._parse_timeout("-3")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_check_bytes_setting(monkeypatch):
+    monkeypatch.setenv("PYMPAR_CHECK_BYTES", "4096")
+    assert debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536") == 4096
+    monkeypatch.setenv("PYMPAR_CHECK_BYTES", "")
+    assert debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536") == 65536
+    monkeypatch.setenv("PYMPAR_CHECK_BYTES", "64k")
+    with pytest.raises(ValueError, match="PYMPAR_CHECK_BYTES must be a number of bytes"):
+        debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536")
 
 
 # --------------------------------------------------------------------------- mismatches
@@ -189,13 +200,17 @@ def test_a_rank_that_skips_a_collective_times_out():
     WORLD.Barrier()
     if WORLD.rank == 0:
         ok = (error is not None and 0.25 < waited < 10
-              and f"all_reduce on group '{group.name}'" in str(error)
-              and "rank 0 (global 0)" in str(error) and "within 0.3 s" in str(error))
-        # The late ranks join now; the pending request completes.
-        error.request.Wait() if error is not None else None
+              and f"all_reduce(shape=(3,), dtype=float64, op='sum') on group '{group.name}'"
+              in str(error) and "rank 0 (global 0)" in str(error) and "within 0.3 s" in str(error))
+        # The late ranks join now: the pending request (the call's agreement check)
+        # completes, then the collective itself, posted here by hand.
+        if error is not None:
+            error.request.Wait()
+            group.comm.Iallreduce(MPI.IN_PLACE, np.ones(3)).Wait()
         agree(ok, f"no or wrong timeout: {error!r}")
     else:
-        # With the timeout on too: non-blocking collectives only match non-blocking ones.
+        # With the timeout on too: non-blocking collectives only match non-blocking ones,
+        # and a timed call is checked (one small Iallreduce) before its own Iallreduce.
         with debug_mode(enabled=False, timeout=60.0):
             group.all_reduce(np.ones(3))
         agree(True)
@@ -246,9 +261,17 @@ single_process = pytest.mark.skipif(WORLD.size != 1, reason="launches its own 2-
      ["CollectiveMismatchError", "dtype=float64", "dtype=float32"]),
     ("mappings_differ", {"PYMPAR_DEBUG": "1"},
      ["CollectiveMismatchError", "copy_to_all.forward", "reduce_from_all.forward"]),
+    # The timeout alone checks every call: batches of 32 and 16 rows never finish with rc 0.
+    ("timed_rows", {"PYMPAR_TIMEOUT": "5"},
+     ["CollectiveMismatchError", "all_reduce(shape=(32, 8)", "all_reduce(shape=(16, 8)",
+      "reduce_from_all.forward"]),
+    # Nothing set: a 1 MiB call is checked by default (float32 against int32).
+    ("big_dtypes", {}, ["CollectiveMismatchError", "dtype=float32", "dtype=int32"]),
 ])
-def test_debug_mode_ends_a_mismatched_job_with_the_error_on_every_rank(scenario, env, expected):
+def test_checks_end_a_mismatched_job_with_the_error_on_every_rank(scenario, env, expected):
+    start = time.monotonic()
     status, output = launch(scenario, **env)
+    assert time.monotonic() - start < 30, output
     assert status != 0, output
     for rank in (0, 1):
         message = said_by(rank, output)
@@ -260,12 +283,12 @@ def test_debug_mode_ends_a_mismatched_job_with_the_error_on_every_rank(scenario,
 def test_timeout_ends_a_job_where_a_rank_skips_a_collective():
     status, output = launch("skipped", PYMPAR_TIMEOUT="1")
     assert status != 0, output
-    assert said_by(0, output).startswith("rank 0] CollectiveTimeoutError: all_reduce on group "
-                                         "'w-0-1' did not complete within 1 s on rank 0 "
-                                         "(global 0)"), output
-    assert said_by(1, output).startswith("rank 1] CollectiveTimeoutError: all_gather on group "
-                                         "'aux-0-1' did not complete within 1 s on rank 1 "
-                                         "(global 1)"), output
+    assert said_by(0, output).startswith(
+        "rank 0] CollectiveTimeoutError: all_reduce(shape=(4,), dtype=float64, op='sum') on "
+        "group 'w-0-1' did not complete within 1 s on rank 0 (global 0)"), output
+    assert said_by(1, output).startswith(
+        "rank 1] CollectiveTimeoutError: all_gather(shape=(4,), dtype=float64, axis=0, "
+        "sizes=(4, 4)) on group 'aux-0-1' did not complete within 1 s on rank 1 (global 1)"), output
 
 
 @single_process
@@ -278,8 +301,59 @@ def test_debug_mode_lets_a_correct_job_finish():
 
 @pytest.mark.mpi(min_size=2)
 def test_a_size_that_fits_only_some_ranks_raises_everywhere(world):
-    """``size=`` skips the size exchange; debug mode still catches a wrong one on every rank."""
+    """``global_size=`` skips the size exchange; debug mode catches a wrong one on every rank."""
     x = np.zeros((3, 4))  # every rank holds 3 rows, but size=5 gives rank 0 three, rank 1 two
     with debug_mode(enabled=True, timeout=30.0):
-        raises_everywhere(CollectiveMismatchError, "sizes_fit", mappings.gather_from_sequence,
-                          x, world, size=3 * world.size - 1)
+        raises_everywhere(CollectiveMismatchError, "sizes fit: False",
+                          mappings.gather_from_sequence, x, world, global_size=3 * world.size - 1)
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_mpi_truncation_gets_pympars_words():
+    """Below the default check's size, MPI's "Message truncated" names the call instead."""
+    status, output = launch("small_rows")
+    assert status != 0, output
+    assert said_by(1, output).startswith(
+        "rank 1] CollectiveMismatchError: broadcast(shape=(32,), dtype=float64, root=0) on "
+        "group 'w-0-1': MPI received more data than this rank expects"), output
+
+
+# --------------------------------------------------------------------------- always-on check
+
+#: Rows of 8192 float64 (64 KiB): every call below moves at least CHECK_BYTES.
+ROW = 8192
+
+
+@pytest.mark.mpi(min_size=2)
+def test_default_check_catches_what_ranks_must_agree_on(world):
+    """Without debug mode or a timeout, calls of >= CHECK_BYTES raise on every rank."""
+    assert ROW * 8 >= collectives.CHECK_BYTES
+    r, p = world.rank, world.size
+    odd = r == 1
+    x = np.ones((2, ROW))
+    raises_everywhere(CollectiveMismatchError, "dtype=float32", world.all_reduce,
+                      x.astype(np.float32 if odd else np.float64))
+    raises_everywhere(CollectiveMismatchError, "dtype=int32", world.all_reduce,
+                      x.astype(np.int32 if odd else np.float32))
+    raises_everywhere(CollectiveMismatchError, r"shape=\(3, 8192\)", world.all_reduce,
+                      np.ones((2 + odd, ROW)))
+    raises_everywhere(CollectiveMismatchError, "root=1", world.broadcast, x, root=int(odd))
+    raises_everywhere(CollectiveMismatchError, "op='max'", world.reduce_scatter,
+                      np.ones((p, ROW)), 0, None, "max" if odd else "sum")
+    # Two mappings whose collectives are the same all_gather: the labels differ.
+    mine = np.ones((2, ROW))
+    call = (mappings.gather_from_sequence if odd else
+            mappings.reduce_scatter_to_sequence.backward)
+    raises_everywhere(CollectiveMismatchError, "gather_from_sequence.forward", call, mine,
+                      world, global_size=2 * p)
+    # A global_size that differs per rank but fits each rank's block.
+    raises_everywhere(CollectiveMismatchError, "sizes=", mappings.gather_from_sequence,
+                      np.ones((3, ROW)), world, global_size=3 * p + odd)
+    # A global_size that fits rank 1's block only: rank 0 refuses, rank 1 learns of it.
+    raises_everywhere(CollectiveMismatchError, "sizes fit: False",
+                      mappings.gather_from_sequence, np.ones((3, ROW)), world,
+                      global_size=3 * p + (r == 0))
+    # The group is still usable, and agreeing calls pass.
+    y = world.all_reduce(x)
+    agree(np.array_equal(y, np.full_like(x, p)), "sum after the mismatches")

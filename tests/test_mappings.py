@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import manager, mappings
+from pympar import manager, mappings, stats
 from pympar.mesh import Mesh
 import test_collectives as shared
 from test_collectives import LAYOUTS, Checks, dtypes_for, laid_out, piece, random
@@ -31,7 +31,7 @@ def S(axis: int) -> tuple:
 
 #: case id -> (mapping name, input kind, output kind, fixed options, forward size
 #: axis, backward size axis, global shape). A size axis names the axis the step
-#: gathers (so ``size=`` applies), None when the step does not gather.
+#: gathers (so ``global_size=`` applies), None when the step does not gather.
 CASES = {
     "copy_to_all": ("copy_to_all", R, P, {}, None, None, "SBH"),
     "reduce_from_all": ("reduce_from_all", P, R, {}, None, None, "SBH"),
@@ -79,7 +79,7 @@ def expected_piece(kind: tuple, value: np.ndarray, p: int, r: int) -> np.ndarray
 
 
 def size_option(axis: int | None, shape: tuple[int, ...], give: bool) -> dict[str, int]:
-    return {"size": shape[axis]} if give and axis is not None else {}
+    return {"global_size": shape[axis]} if give and axis is not None else {}
 
 
 @pytest.mark.mpi(min_size=1)
@@ -96,7 +96,7 @@ def test_forward_and_backward_match_numpy(xp, group, case):
                 mine, value, summed = sample(kin, shape, dtype, rng, p, r)
                 dmine, dvalue, dsummed = sample(kout, shape, dtype, rng, p, r)
                 for layout in LAYOUTS:
-                    what = f"{case} {dtype} {shape} {layout} size={give_size}"
+                    what = f"{case} {dtype} {shape} {layout} global_size={give_size}"
                     y = mapping(laid_out(mine, layout, xp), group, **options,
                                 **size_option(fwd_axis, shape, give_size))
                     expect = expected_piece(kout, value, p, r)
@@ -203,10 +203,33 @@ def test_default_group_is_the_current_tp_or_cp_group():
 def test_unknown_option_is_a_type_error(group):
     x = np.zeros((4, 4))
     if group.size > 1:
-        raises_everywhere(TypeError, "takes no size", mappings.copy_to_all, x, group, size=4)
-        raises_everywhere(TypeError, "takes no size", mappings.gather_from_sequence.backward,
-                          x, group, size=4)
+        raises_everywhere(TypeError, "takes no global_size", mappings.copy_to_all, x, group,
+                          global_size=4)
+        raises_everywhere(TypeError, "takes no global_size",
+                          mappings.gather_from_sequence.backward, x, group, global_size=4)
         raises_everywhere(TypeError, "keyword", mappings.gather_from_sequence.backward,
                           x, group, sizes=4)
         raises_everywhere(TypeError, "keyword", mappings.all_to_all_from_sequence_to_hidden,
                           x, group, axis=0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_old_size_keyword_still_works_with_a_deprecation_warning(group):
+    p, r = group.size, group.rank
+    full = np.arange(float(3 * p + 1) * 2).reshape(3 * p + 1, 2)
+    mine = piece(full, p, 0, r)
+    with pytest.warns(DeprecationWarning, match="global_size"):
+        old = mappings.gather_from_sequence(mine, group, size=full.shape[0])
+    new = mappings.gather_from_sequence(mine, group, global_size=full.shape[0])
+    agree(np.array_equal(old, full) and np.array_equal(new, full), "size= and global_size= differ")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_label_names_collectives_in_stats(group):
+    x = np.ones((2, 3))
+    with stats.record() as rec, mappings.label("MyLayer.backward"):
+        group.all_reduce(x)
+        mappings.reduce_from_all(x, group)
+    names = {op for (_, op) in rec.rows}
+    expected = {"MyLayer.backward", "reduce_from_all.forward"} if group.size > 1 else set()
+    agree(names >= expected, f"recorded {names}")

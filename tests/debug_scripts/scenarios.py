@@ -4,7 +4,7 @@ Launched by ``tests/test_debug.py`` as::
 
     scripts/mpirun.sh 2 python -m mpi4py tests/debug_scripts/scenarios.py SCENARIO
 
-with ``PYMPAR_DEBUG=1`` or ``PYMPAR_TIMEOUT=seconds`` in the environment. Every
+with ``PYMPAR_DEBUG=1``, ``PYMPAR_TIMEOUT=seconds`` or nothing in the environment. Every
 rank prints ``[rank R] ErrorName: message`` when it catches a pympar error, then
 re-raises; ``python -m mpi4py`` turns the unhandled exception into an abort of
 the whole job, so the run ends with a non-zero status instead of hanging.
@@ -51,6 +51,22 @@ def skipped(group: Any, other: Any) -> None:
         other.all_gather(np.ones(4), sizes=[4] * other.size)
 
 
+def timed_rows(group: Any, other: Any) -> None:
+    """With only PYMPAR_TIMEOUT set, ranks pass batches of 32 and 16 rows to reduce_from_all."""
+    mappings.reduce_from_all(np.ones((32 >> RANK, 8), np.float32), group)
+
+
+def small_rows(group: Any, other: Any) -> None:
+    """No setting at all: a small broadcast of 64 values that rank 1 receives into 32."""
+    group.broadcast(np.ones(64 >> RANK))
+    time.sleep(2.0)  # let rank 1 report before rank 0 completes
+
+
+def big_dtypes(group: Any, other: Any) -> None:
+    """No setting at all: float32 against int32 (same item size) in a 1 MiB all_reduce."""
+    group.all_reduce(np.zeros(2**18, np.float32 if RANK == 0 else np.int32))
+
+
 def matching(group: Any, other: Any) -> None:
     """Legal uneven calls: debug mode must let them through."""
     x = np.ones((3 - RANK, 3))  # balanced split of 5 rows
@@ -60,7 +76,8 @@ def matching(group: Any, other: Any) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Any, Any], None]] = {
-    f.__name__: f for f in (shapes, dtypes, mappings_differ, skipped, matching)}
+    f.__name__: f for f in (shapes, dtypes, mappings_differ, skipped, timed_rows,
+                             small_rows, big_dtypes, matching)}
 
 
 def main() -> None:
