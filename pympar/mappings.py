@@ -161,18 +161,18 @@ class Mapping:
         The public name, shown in debug errors and statistics.
     forward, backward : callable
         Steps ``step(group, x, out, sizes, label, **options) -> y``.
-    default_group : callable
-        Returns the group used when ``group=None``.
+    default_axis : {"tensor", "context"}
+        The parallel-state group used when ``group=None``.
     doc : str
         What the mapping does; becomes the object's ``__doc__``.
     """
 
     def __init__(self, name: str, forward: Step, backward: Step,
-                 default_group: Callable[[], Group], doc: str) -> None:
+                 default_axis: str, doc: str) -> None:
         self.name = name
         # Per direction: the step and the label its collective carries.
         self._steps = ((forward, f"{name}.forward"), (backward, f"{name}.backward"))
-        self._default_group = default_group
+        self._default_axis = default_axis
         self.__doc__ = doc
 
     def __repr__(self) -> str:
@@ -228,8 +228,7 @@ class Mapping:
                           "global_size= (the global extent of the gathered axis)",
                           DeprecationWarning, stacklevel=3)
             global_size = options.pop("size")
-        if group is None:
-            group = self._default_group()
+        group = manager.resolve_group(group, self.name, self._default_axis)
         if group.size == 1:
             return _identity(group, x, out)
         step, name = self._steps[direction]
@@ -244,16 +243,9 @@ class Mapping:
             step(group, x, out, sizes, name)
 
 
-def _tp() -> Group:
-    return manager.get_tensor_parallel_group()  # type: ignore[return-value]
-
-
-def _cp() -> Group:
-    return manager.get_context_parallel_group()  # type: ignore[return-value]
-
 def _mapping(name: str, forward: Step, backward: Step, doc: str,
-             default_group: Callable[[], Group] = _tp) -> Mapping:
-    return Mapping(name, forward, backward, default_group, doc)
+             default_axis: str = "tensor") -> Mapping:
+    return Mapping(name, forward, backward, default_axis, doc)
 
 
 copy_to_all = _mapping(
@@ -294,10 +286,10 @@ all_to_all_from_sequence_to_hidden = _mapping(
     "head axis (``head_axis``, default last), gather the sequence axis (``seq_axis``, "
     "default 0; ``global_size=`` the global S). Backward: the inverse (``global_size=`` the "
     "global H).",
-    _cp)
+    "context")
 all_to_all_from_hidden_to_sequence = _mapping(
     "all_to_all_from_hidden_to_sequence", _all_to_all(False), _all_to_all(True),
     "Forward: [S, ..., H/P] -> [S/P, ..., H] over the context-parallel group: split the "
     "sequence axis, gather the head axis (``global_size=`` the global H). Backward: the inverse "
     "(``global_size=`` the global S).",
-    _cp)
+    "context")

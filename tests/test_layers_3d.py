@@ -5,7 +5,7 @@ import pytest
 
 from layer_helpers import DTYPES, XPS, get_xp, rng_array, tolerance
 from mpi_helpers import WORLD, assert_close, assert_equal, raises_everywhere
-from pympar import manager
+from pympar import manager, stats
 from pympar.modules import GELU, LayerNorm, LayerNorm3D, Linear, Linear3D, layout_3d
 
 ROWS, IN, MID, OUT = 9, 5, 7, 6  # nothing divides evenly at d=2
@@ -127,3 +127,17 @@ def test_consecutive_linear3d_with_the_same_layout_raise(cube, between):
     raises_everywhere(ValueError, r"output gradient block is in the layout", good.backward,
                       good.layout.split_input(rng_array(3, (ROWS, 8), np.float64)))
     assert_equal(layout_3d(swap=True).key, good.layout.key, "layout_3d(swap=True) key")
+
+
+@pytest.mark.mpi(min_size=8)
+def test_3d_collectives_are_labelled_with_their_layer(cube):
+    fc = Linear3D(IN, MID, seed=4, dtype=np.float64)
+    norm = LayerNorm3D(MID, swap=True, dtype=np.float64)
+    x = fc.layout.split_input(rng_array(1, (ROWS, IN), np.float64, np))
+    with stats.record() as rec:
+        y = norm.forward(fc.forward(x))
+        fc.backward(norm.backward(np.ones_like(y)))
+    names = {op for (_, op) in rec.rows}
+    expected = {"Linear3D.forward", "Linear3D.backward", "LayerNorm3D.forward",
+                "LayerNorm3D.backward"}
+    assert names == expected, names

@@ -178,7 +178,7 @@ def test_size_one_group_returns_the_input_object(solo):
 def test_default_group_is_the_current_tp_or_cp_group():
     manager.destroy_parallel()
     x = np.arange(24.0).reshape(4, 2, 3)
-    raises_everywhere(RuntimeError, "not initialized", mappings.gather_from_sequence, x)
+    raises_everywhere(RuntimeError, "gather_from_sequence needs a tensor-parallel group.*initialize_parallel", mappings.gather_from_sequence, x)
     world = WORLD.size
     layouts = [(world, 1), (1, world)] + ([(2, world // 2)] if world % 2 == 0 and world > 2 else [])
     check = Checks()

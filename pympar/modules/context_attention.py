@@ -200,7 +200,7 @@ class ContextAttention(Module):
         if self.ulysses is not None:
             qkv = mappings.all_to_all_from_sequence_to_hidden(qkv, group=self.ulysses,
                                                               seq_axis=0, head_axis=3,
-                                                              size=_rows(segments, self.ring))
+                                                              global_size=_rows(segments, self.ring))
         # head-major [3, B, heads, rows, dh]: one contiguous copy, and kv = qkvh[1:] travels as is
         qkvh = xp.ascontiguousarray(qkv.transpose(2, 1, 3, 0, 4))
         out_h, lse = ring_attention_forward(qkvh[0], qkvh[1:], self.ring, segments,
@@ -209,7 +209,7 @@ class ContextAttention(Module):
         if self.ulysses is not None:
             out = mappings.all_to_all_from_hidden_to_sequence(out, group=self.ulysses,
                                                               seq_axis=0, head_axis=2,
-                                                              size=self.num_heads)
+                                                              global_size=self.num_heads)
         self.save_for_backward(qkvh, out_h, lse, segments, lens)
         return self.proj.forward(out.reshape(n, batch, self.hidden))
 
@@ -223,7 +223,7 @@ class ContextAttention(Module):
         xp = array_module(dy)
         if self.ulysses is not None:
             dout = mappings.all_to_all_from_hidden_to_sequence.backward(
-                dout, group=self.ulysses, seq_axis=0, head_axis=2, size=qkvh.shape[3])
+                dout, group=self.ulysses, seq_axis=0, head_axis=2, global_size=qkvh.shape[3])
         dout_h = xp.ascontiguousarray(dout.transpose(1, 2, 0, 3))
         dqkvh = xp.zeros_like(qkvh)
         ring_attention_backward(dout_h, qkvh[0], qkvh[1:], out_h, lse, self.ring, segments,
@@ -231,7 +231,7 @@ class ContextAttention(Module):
         dqkv = xp.ascontiguousarray(dqkvh.transpose(3, 1, 0, 2, 4))
         if self.ulysses is not None:
             dqkv = mappings.all_to_all_from_sequence_to_hidden.backward(
-                dqkv, group=self.ulysses, seq_axis=0, head_axis=3, size=self.num_heads)
+                dqkv, group=self.ulysses, seq_axis=0, head_axis=3, global_size=self.num_heads)
         # set here, not in __init__: Sequential may switch input_grad off after construction
         self.qkv.input_grad = self.input_grad
         dx = self.qkv.backward(dqkv.reshape(n, batch, 3 * self.hidden))

@@ -36,6 +36,7 @@ from .. import manager
 from ..backend import array_module
 from ..group import Group
 from ..initializer_3d import ParallelMode
+from ..mappings import label
 from ..partition import Placement, Split
 from .core import Module, Parameter, check_array
 from .init_methods import InitMethod
@@ -247,6 +248,7 @@ class Linear3D(Module):
         """All-gather the full weight and bias gradients; collective over the cube."""
         return self._gather_full(self.weight.grad, None if self.bias is None else self.bias.grad)
 
+    @label("Linear3D.forward")
     def forward(self, x: Any) -> Any:
         """Return the output block (output layout) for the input block ``x`` (input layout)."""
         layout = self.layout
@@ -268,6 +270,7 @@ class Linear3D(Module):
                                w_rows if self.input_grad else None, y.shape)
         return tag(y, layout.swapped().key)
 
+    @label("Linear3D.backward")
     def backward(self, dy: Any) -> Any:
         """Return the input-gradient block (None with ``input_grad=False``); accumulate the
         gradients of unfrozen weight and bias."""
@@ -349,6 +352,7 @@ class LayerNorm3D(Module):
         local = local_row_sums(*terms)
         return list(self.layout.output.all_reduce(array_module(local[0]).stack(local)))
 
+    @label("LayerNorm3D.forward")
     def forward(self, x: Any) -> Any:
         """Normalize each row of the input block ``x`` (same layout out)."""
         self.layout.check(x, repr(self))
@@ -359,6 +363,7 @@ class LayerNorm3D(Module):
         self.save_for_backward(xhat, rstd)
         return tag(y, self.layout.key)
 
+    @label("LayerNorm3D.backward")
     def backward(self, dy: Any) -> Any:
         """Return the input-gradient block (None with ``input_grad=False``); accumulate the
         gradients of unfrozen ``gamma`` and ``beta``."""

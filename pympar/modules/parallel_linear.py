@@ -172,12 +172,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
             y += self.bias.data
         self.save_for_backward(x2d, total.shape)
         if self.gather_output:
-            y = mappings.gather_from_hidden(y, group=self.group, size=self.out_features)
+            y = mappings.gather_from_hidden(y, group=self.group, global_size=self.out_features)
         if not self.skip_bias_add:
             return y
         bias = self.bias.data if self.bias is not None else None
         if bias is not None and self.gather_output:
-            bias = mappings.gather_from_hidden(bias, group=self.group, size=self.out_features)
+            bias = mappings.gather_from_hidden(bias, group=self.group, global_size=self.out_features)
         return y, bias
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
@@ -312,10 +312,10 @@ class RowParallelLinear(_TensorParallelLinear):
             return None
         if self.use_sequence_parallel:
             dpartial = mappings.reduce_scatter_to_sequence.backward(dy, group=self.group,
-                                                                    size=x_shape[0])
+                                                                    global_size=x_shape[0])
         else:
             dpartial = mappings.reduce_from_all.backward(dy, group=self.group)
         dx = self._local_affine_backward(dpartial, x2d, x_shape)
         if dx is None or self.input_is_parallel:
             return dx
-        return mappings.scatter_to_hidden.backward(dx, group=self.group, size=self.in_features)
+        return mappings.scatter_to_hidden.backward(dx, group=self.group, global_size=self.in_features)
