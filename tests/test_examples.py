@@ -256,11 +256,15 @@ def test_readme_example_runs_and_matches_serial():
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             exec(compile(code, "README.md", "exec"), scope)
         y, x = scope["y"], scope["x"]
+        first_grads = [p.grad is not None for p in scope["fc1"].parameters()]
     finally:
         manager.destroy_parallel()
     loss = float(np.mean((y - x) ** 2))
     agree(printed.getvalue().endswith(f" loss {loss:.6f}\n") and "tp rank" in printed.getvalue(),
           f"the README example printed {printed.getvalue()!r}")
+    # Its first layer takes data: no input gradient, but its weight gradients are there.
+    agree(scope["fc1"].input_grad is False and first_grads == [True, True],
+          f"README fc1: input_grad {scope['fc1'].input_grad}, grads {first_grads}")
     # serial twin of the README's MLP on the same input
     from pympar.modules import GELU, Linear
     fc1, fc2 = Linear(64, 256, seed=1), Linear(256, 64, seed=2)
