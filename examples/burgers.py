@@ -501,8 +501,8 @@ def print_memory(reports: list[dict]) -> None:
     kinds = ("parameters", "gradients", "optimizer", "workspace", "activations")
     print("memory  per rank, KiB: " + " ".join(f"{k:>11}" for k in kinds) + "   peak RSS")
     for rank, report in enumerate(reports):
-        print(f"        rank {rank:3d}:      " + " ".join(f"{report[k] / 1024:11.1f}" for k in kinds)
-              + f"   {report['peak_rss'] / 2**20:.0f} MiB")
+        cells = " ".join(f"{report[k] / 1024:11.1f}" for k in kinds)
+        print(f"        rank {rank:3d}:      {cells}   {report['peak_rss'] / 2**20:.0f} MiB")
 
 
 def write_outputs(metrics: dict, out: Path) -> None:

@@ -142,8 +142,8 @@ def test_burgers_half_precision_tracks_fp32(precision, dtype):
 def test_burgers_flags_that_do_not_fit(capsys):
     burgers = load("burgers")
     world = WORLD.size
-    bad = [["--tp", str(world + 1)], ["--hidden", "10", "--heads", "3"], ["--tp", "4", "--mode", "3d"],
-           ["--ulysses-size", "2"], ["--attention", "hybrid", "--ulysses-size", "3"],
+    bad = [["--tp", str(world + 1)], ["--hidden", "10", "--heads", "3"],
+           ["--tp", "4", "--mode", "3d"], ["--ulysses-size", "2"], ["--attention", "hybrid", "--ulysses-size", "3"],
            ["--precision", "fp16", "--dtype", "float64"]]
     for flags in bad:
         status = burgers.main(TINY + flags)
