@@ -266,6 +266,8 @@ def check_layout(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--grid {args.grid} has fewer points than --cp {args.cp} ranks")
     if args.mode == "3d" and round(args.tp ** (1 / 3)) ** 3 != args.tp:
         raise ValueError(f"--mode 3d needs a cube --tp (1, 8, 27, ...), got {args.tp}")
+    if args.ulysses_size < 0:
+        raise ValueError(f"--ulysses-size must be >= 1, got {args.ulysses_size}")
     if args.ulysses_size and args.attention != "hybrid":
         raise ValueError("--ulysses-size goes with --attention hybrid")
     if args.attention == "hybrid" and args.cp % ulysses_size(args):
@@ -313,10 +315,10 @@ def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dic
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
     # From here on a stop signal only sets a flag (it would otherwise end the process).
     stop = Preemption(comm) if args.checkpoint_dir is not None else None
-    # One pair of Ulysses/ring groups for every block's hybrid attention, freed at the end.
-    groups = (split_context_group(state.context, ulysses_size(args))
-              if args.attention == "hybrid" else None)
+    groups = None
     try:
+        if args.attention == "hybrid":  # one pair of groups for every block, freed at the end
+            groups = split_context_group(state.context, ulysses_size(args))
         return _train(args, comm, state, stop, groups)
     finally:
         if stop is not None:
