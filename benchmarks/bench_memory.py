@@ -3,7 +3,8 @@
 Run on 2 ranks (DP = the number of ranks)::
 
     PYTHONPATH=. mpiexec -n 2 python benchmarks/bench_memory.py \\
-        [--shapes 512x1024] [--repeats 9] [--warmup 2] [--json PATH] [--no-torch]
+        [--shapes 512x1024] [--repeats 9] [--warmup 2] [--json PATH] [--no-torch] \\
+        [--burgers STEPS [--burgers-flags "--cp 2"]]
 
 A shape ``HxT`` is the MLP ``Linear(H, 4H) -> GELU -> Linear(4H, H)`` with ``T`` tokens per
 rank. For every configuration the largest per-rank count of :mod:`pympar.memory` (parameters,
@@ -20,12 +21,21 @@ Step time (forward, backward, gradient sync, AdamW update, float32) is timed for
 step (``allreduce_gradients`` + ``AdamW``) and ``ZeroRedundancyOptimizer``, interleaved, median
 of rounds; with torch installed also torch's ``DistributedDataParallel`` + ``AdamW`` and
 ``ZeroRedundancyOptimizer`` on gloo, with their optimizer-state bytes.
+
+``--burgers STEPS`` also trains the main example (``examples/burgers.py``, default model, the
+example's flags in ``--burgers-flags``) for ``STEPS`` steps in each configuration (fp32, ZeRO,
+recompute, bf16, ZeRO + bf16) and reports its validation error, its median step time and the
+largest per-rank bytes, the activations being the peak cached during a step, beside the
+formulas for the ``N`` parameters of a rank (ZeRO over the data x context group of size ``d``).
+fp16 is left out: NumPy has no float16 matrix product kernel, so it times nothing useful.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -174,6 +184,72 @@ def format_row(row: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The example's flags of each Burgers configuration.
+BURGERS_CONFIGS = {"fp32": [], "ZeRO": ["--zero"], "recompute": ["--recompute"],
+                   "bf16": ["--precision", "bf16"],
+                   "ZeRO + bf16": ["--zero", "--precision", "bf16"]}
+
+
+def load_burgers() -> Any:
+    """The main example as a module (``examples/burgers.py``)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "burgers.py"
+    spec = importlib.util.spec_from_file_location("burgers_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_burgers(steps: int, flags: list[str], comm: MPI.Intracomm) -> list[dict[str, Any]]:
+    """Train the Burgers example in every configuration; one row each, with the formulas."""
+    burgers = load_burgers()
+    rows: list[dict[str, Any]] = []
+    for config, extra in BURGERS_CONFIGS.items():
+        if "bf16" in extra and backend.bfloat16 is None:
+            common.say(comm, f"bench_memory: skipping Burgers {config}: no ml_dtypes")
+            continue
+        args = burgers.parse_args(["--steps", str(steps), "--quiet", *flags, *extra])
+        with common.blas_threads(1):
+            metrics = burgers.train(args, comm)
+        worst = {k: max(m[k] for m in metrics["memory"]) for k in (*KINDS, "peak_rss")}
+        rows.append({"config": config, "flags": extra, "layout": metrics["layout"],
+                     "val_rel_l2": metrics["val_rel_l2"],
+                     "step_ms": metrics["median_step_seconds"] * 1e3, "measured": worst})
+    n = rows[0]["measured"]["parameters"] / 4  # fp32 parameters of the largest rank
+    lay = rows[0]["layout"]
+    d = lay["dp"] * lay["cp"]
+    for row in rows:
+        half, sharded = "bf16" in row["config"], "ZeRO" in row["config"]
+        share = d if sharded else 1  # the unsharded bf16 masters are over this rank alone
+        row["formula"] = {"parameters": (2 if half else 4) * n,
+                          "gradients": (2 * n + 4 * n / share) if half else 4 * n,
+                          "optimizer": (12 if half else 8) * n / share}
+    return rows
+
+
+def format_burgers(rows: list[dict[str, Any]], steps: int) -> str:
+    """The Burgers rows as text, with the recompute and bf16 ratios against fp32."""
+    lay = rows[0]["layout"]
+    lines = [f"  Burgers example, {steps} steps, dp={lay['dp']} cp={lay['cp']} tp={lay['tp']} "
+             f"({lay['mode']}); MiB per rank measured/formula"]
+    for row in rows:
+        got, want = row["measured"], row["formula"]
+        cells = ", ".join(f"{k} {got[k] / 2**20:.3f}/{want[k] / 2**20:.3f}" for k in want)
+        lines.append(f"    {row['config']:12} val {row['val_rel_l2']:.3e}  step "
+                     f"{row['step_ms']:7.2f} ms  {cells}, activations "
+                     f"{got['activations'] / 2**20:.3f}, peak RSS {got['peak_rss'] / 2**20:.0f}")
+    by = {row["config"]: row for row in rows}
+    base = by["fp32"]
+    rec = by["recompute"]
+    lower = base["measured"]["activations"] / rec["measured"]["activations"]
+    lines.append(f"    recompute: peak activations {lower:.2f}x lower, step time "
+                 f"{rec['step_ms'] / base['step_ms']:.2f}x")
+    if "bf16" in by:
+        ratio = by["bf16"]["val_rel_l2"] / base["val_rel_l2"]
+        lines.append(f"    bf16 / fp32 validation error {ratio:.3f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("512x1024"),
@@ -182,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch variants")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--burgers", type=int, default=0, metavar="STEPS",
+                        help="also train examples/burgers.py STEPS steps per configuration")
+    parser.add_argument("--burgers-flags", default="",
+                        help="the example's layout/model flags, e.g. \"--cp 2\"")
     args = parser.parse_args(argv)
     comm = WORLD
     torch, reason = ((None, "--no-torch given") if args.no_torch
@@ -201,10 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist is not None:
             dist.destroy_process_group()
+    burgers = []
+    if args.burgers > 0:
+        common.say(comm, f"bench_memory: Burgers example, {args.burgers} steps per configuration")
+        burgers = run_burgers(args.burgers, shlex.split(args.burgers_flags), comm)
+        if comm.Get_rank() == 0:
+            print(format_burgers(burgers, args.burgers), flush=True)
     if comm.Get_rank() == 0:
         common.write_json(args.json, {
             "benchmark": "memory", "machine": info, "repeats": args.repeats,
-            "warmup": args.warmup, "torch_skipped": reason, "rows": rows})
+            "warmup": args.warmup, "torch_skipped": reason, "rows": rows,
+            "burgers_steps": args.burgers, "burgers": burgers})
     return 0
 
 

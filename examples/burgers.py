@@ -5,11 +5,23 @@ on a periodic grid, advanced by RK4. A small transformer over the grid points
 learns ``u(t) -> u(t + dt)``:
 
 * context (sequence) parallelism splits the grid points over the CP group and
-  runs Ulysses attention (:class:`pympar.modules.DistributedAttention`);
+  runs context-parallel attention (:class:`pympar.modules.ContextAttention`):
+  Ulysses by default, ``--attention ring``, or ``--attention hybrid`` (Ulysses
+  inside groups of ``--ulysses-size`` context ranks, ring across them);
 * tensor parallelism splits each MLP over the TP group (Column -> GELU -> Row),
   or over a 3D cube with ``--mode 3d`` (Linear3D -> GELU -> Linear3D);
 * data parallelism splits every batch; gradients are summed over the
-  data x context group with :func:`pympar.optim.allreduce_gradients`.
+  data x context group with :func:`pympar.optim.allreduce_gradients`, or, with
+  ``--zero``, reduce-scattered by :class:`pympar.zero.ZeroRedundancyOptimizer`,
+  which keeps only this rank's share of the AdamW state.
+
+Memory: ``--recompute`` wraps every transformer block in
+:class:`pympar.modules.Recompute` (its activations are recomputed in backward);
+``--precision bf16`` or ``fp16`` keeps parameters and compute in half precision
+with float32 master weights in the optimizer (and a :class:`pympar.amp.GradScaler`
+for fp16). At the end every rank's bytes of parameters, gradients, optimizer
+state and peak cached activations (:mod:`pympar.memory`) and its peak resident
+set size are printed and written into ``metrics.json``.
 
 Run ``mpiexec -n 4 python -m mpi4py examples/burgers.py --tp 2 --cp 2`` (or with
 no launcher, serially). Rank 0 prints the layout, the loss (a progress bar instead
@@ -29,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -36,12 +49,16 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from pympar import checkpoint, manager
+from pympar import backend, checkpoint, manager
+from pympar.amp import GradScaler, master_weights_optimizer
 from pympar.collectives import block_slice
-from pympar.modules import (GELU, ColumnParallelLinear, DistributedAttention, LayerNorm, Linear,
-                            Linear3D, Module, RowParallelLinear, layout_3d)
+from pympar.memory import activation_bytes, memory_report
+from pympar.modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
+                            Linear3D, Module, Recompute, RowParallelLinear, layout_3d)
+from pympar.modules.context_attention import split_context_group
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.preemption import Preemption
+from pympar.zero import ZeroRedundancyOptimizer
 
 #: Environment variables that MPI launchers (MPICH, Open MPI, Slurm) set in every rank.
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID",
@@ -136,10 +153,16 @@ class MLP3D(Module):
 class Block(Module):
     """Pre-norm transformer block: ``x + attn(ln(x))`` then ``h + mlp(ln(h))``."""
 
-    def __init__(self, hidden: int, heads: int, mode: str, dtype, seed: int) -> None:
+    #: Called with no argument at the start of :meth:`backward`, when this block's caches are
+    #: full (with ``--recompute`` right after their recomputation): the activation peak probe.
+    on_backward = None
+
+    def __init__(self, hidden: int, heads: int, mode: str, dtype, seed: int,
+                 attention: str = "ulysses", groups=None) -> None:
         super().__init__()
         self.ln1 = LayerNorm(hidden, dtype=dtype)
-        self.attn = DistributedAttention(hidden, heads, dtype=dtype, seed=seed)
+        self.attn = ContextAttention(hidden, heads, scheme=attention, groups=groups, dtype=dtype,
+                                     seed=seed)
         self.ln2 = LayerNorm(hidden, dtype=dtype)
         mlp = MLP3D if mode == "3d" else MLP
         self.mlp = mlp(hidden, 4 * hidden, dtype, seed + 2)
@@ -149,21 +172,43 @@ class Block(Module):
         return h + self.mlp.forward(self.ln2.forward(h))
 
     def backward(self, dy):
+        if self.on_backward is not None:
+            self.on_backward()
         dh = dy + self.ln2.backward(self.mlp.backward(dy))
         return dh + self.ln1.backward(self.attn.backward(dh))
 
 
 class BurgersTransformer(Module):
-    """Tokens are grid points ``[grid_local, batch, features]``; predicts ``du`` per point."""
+    """Tokens are grid points ``[grid_local, batch, features]``; predicts ``du`` per point.
 
-    def __init__(self, hidden: int, heads: int, layers: int, mode: str, dtype, seed: int = 0):
+    ``attention`` is the :class:`~pympar.modules.ContextAttention` scheme (``groups``: the
+    Ulysses and ring groups of ``"hybrid"``); ``recompute`` wraps every block in
+    :class:`~pympar.modules.Recompute`. The first layer computes no input gradient: the input
+    is data.
+    """
+
+    def __init__(self, hidden: int, heads: int, layers: int, mode: str, dtype, seed: int = 0,
+                 attention: str = "ulysses", groups=None, recompute: bool = False):
         super().__init__()
-        self.embed = Linear(3, hidden, dtype=dtype, seed=seed)
-        self.blocks = [Block(hidden, heads, mode, dtype, seed + 10 * (i + 1)) for i in range(layers)]
-        for i, block in enumerate(self.blocks):
+        self.embed = Linear(3, hidden, dtype=dtype, seed=seed, input_grad=False)
+        blocks = [Block(hidden, heads, mode, dtype, seed + 10 * (i + 1), attention, groups)
+                  for i in range(layers)]
+        for i, block in enumerate(blocks):
             setattr(self, f"block{i}", block)
         self.norm = LayerNorm(hidden, dtype=dtype)
         self.head = Linear(hidden, 1, init_method="zeros", dtype=dtype, seed=seed + 1)
+        # The wrappers come after the blocks, which keep their parameter names
+        # (block0.ln1.weight, ...): a checkpoint loads with or without --recompute.
+        self.blocks = [Recompute(block) for block in blocks] if recompute else blocks
+        if recompute:
+            for i, wrapper in enumerate(self.blocks):
+                setattr(self, f"recompute{i}", wrapper)
+
+    def watch(self, probe) -> None:
+        """Call ``probe()`` at the start of every block's backward (None: stop)."""
+        for module in self.modules():
+            if isinstance(module, Block):
+                module.on_backward = probe
 
     def forward(self, x):
         h = self.embed.forward(x)
@@ -175,7 +220,7 @@ class BurgersTransformer(Module):
         dh = self.norm.backward(self.head.backward(dy[..., None]))
         for block in reversed(self.blocks):
             dh = block.backward(dh)
-        return self.embed.backward(dh)
+        return self.embed.backward(dh)  # None: input_grad=False
 
 
 # ---------------------------------------------------------------- training
@@ -221,6 +266,47 @@ def check_layout(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--grid {args.grid} has fewer points than --cp {args.cp} ranks")
     if args.mode == "3d" and round(args.tp ** (1 / 3)) ** 3 != args.tp:
         raise ValueError(f"--mode 3d needs a cube --tp (1, 8, 27, ...), got {args.tp}")
+    if args.ulysses_size < 0:
+        raise ValueError(f"--ulysses-size must be >= 1, got {args.ulysses_size}")
+    if args.ulysses_size and args.attention != "hybrid":
+        raise ValueError("--ulysses-size goes with --attention hybrid")
+    if args.attention == "hybrid" and args.cp % ulysses_size(args):
+        raise ValueError(f"--ulysses-size {args.ulysses_size} does not divide --cp {args.cp}")
+    if args.precision != "fp32" and args.dtype != "float32":
+        raise ValueError(f"--precision {args.precision} keeps float32 master weights: "
+                         f"it does not go with --dtype {args.dtype}")
+    if args.precision == "bf16" and backend.bfloat16 is None:
+        raise ValueError("--precision bf16 needs the ml_dtypes package (pip install ml_dtypes)")
+
+
+def ulysses_size(args: argparse.Namespace) -> int:
+    """Context ranks per Ulysses group of ``--attention hybrid``: ``--ulysses-size``, or else
+    the largest divisor ``u`` of ``--cp`` with ``u * u <= cp`` (2 at CP = 4 or 8)."""
+    if args.ulysses_size:
+        return args.ulysses_size
+    return max(u for u in range(1, args.cp + 1) if args.cp % u == 0 and u * u <= args.cp)
+
+
+def compute_dtype(args: argparse.Namespace) -> np.dtype:
+    """The parameters' and activations' dtype: ``--dtype``, or half with ``--precision``."""
+    return np.dtype({"fp32": args.dtype, "bf16": backend.bfloat16,
+                     "fp16": np.float16}[args.precision])
+
+
+def make_optimizer(args: argparse.Namespace, model: Module, reduce_group):
+    """AdamW; sharded over ``reduce_group`` with ``--zero``; float32 masters in half precision."""
+    kw = dict(lr=args.lr, weight_decay=0.0)
+    if args.zero:
+        return ZeroRedundancyOptimizer(model, AdamW, group=reduce_group, **kw)
+    if args.precision != "fp32":
+        return master_weights_optimizer(model, AdamW, **kw)
+    return AdamW(model.parameters(), **kw)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dict:
@@ -229,16 +315,21 @@ def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dic
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
     # From here on a stop signal only sets a flag (it would otherwise end the process).
     stop = Preemption(comm) if args.checkpoint_dir is not None else None
+    groups = None
     try:
-        return _train(args, comm, state, stop)
+        if args.attention == "hybrid":  # one pair of groups for every block, freed at the end
+            groups = split_context_group(state.context, ulysses_size(args))
+        return _train(args, comm, state, stop, groups)
     finally:
         if stop is not None:
             stop.close()
+        for group in groups or ():
+            group.free()
         manager.destroy_parallel()
 
 
-def _train(args, comm, state, stop) -> dict:
-    dtype = np.dtype(args.dtype)
+def _train(args, comm, state, stop, groups) -> dict:
+    dtype = compute_dtype(args)
     rank = comm.Get_rank()
     dp, cp = state.data.size, state.context.size
     reduce_group = state.data_context
@@ -247,11 +338,15 @@ def _train(args, comm, state, stop) -> dict:
     u_val, v_val = make_pairs(args.seed + 1, max(args.trajectories // 4, 2), args.frames,
                               args.grid, args.dt, args.nu)
     scale = float(np.std(v_train - u_train))  # learn the increment in units of its spread
-
-    model = BurgersTransformer(args.hidden, args.heads, args.layers, args.mode, dtype, args.seed)
-    optimizer = AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    shuffle = np.random.default_rng(args.seed + 2)
     count = args.batch * args.grid  # points in one global batch: the loss is their mean
+
+    model = BurgersTransformer(args.hidden, args.heads, args.layers, args.mode, dtype, args.seed,
+                               args.attention, groups, args.recompute)
+    optimizer = make_optimizer(args, model, reduce_group)
+    scaler = GradScaler() if args.precision == "fp16" else None
+    # ZeRO averages the gradients over the group: scale the loss gradient up to keep the sum.
+    grad_factor = dtype.type(2.0 * (reduce_group.size if args.zero else 1) / count)
+    shuffle = np.random.default_rng(args.seed + 2)
     losses, show = [], rank == 0 and not args.quiet
     start_step, saved_step = 0, None
     if args.resume:
@@ -259,6 +354,8 @@ def _train(args, comm, state, stop) -> dict:
         if found is not None:
             start_step, extra = checkpoint.load(found, model, optimizer, comm=comm)
             shuffle.bit_generator.state = extra["rng"]
+            if scaler is not None and "scaler" in extra:
+                scaler.load_state_dict(extra["scaler"])
             losses, saved_step = list(extra["losses"]), start_step
             if show:
                 print(f"resumed from {found} (step {start_step})")
@@ -269,7 +366,8 @@ def _train(args, comm, state, stop) -> dict:
         path = os.path.join(args.checkpoint_dir, f"step_{step:08d}")
         began = time.perf_counter()
         checkpoint.save(path, model, optimizer, step=step, keep=3, comm=comm,
-                        extra={"rng": shuffle.bit_generator.state, "losses": losses})
+                        extra={"rng": shuffle.bit_generator.state, "losses": losses,
+                               **({"scaler": scaler.state_dict()} if scaler else {})})
         if show:  # the save time tells how much lead time a stop signal needs
             print(f"saved {path} in {time.perf_counter() - began:.2f} s", flush=True)
 
@@ -287,6 +385,12 @@ def _train(args, comm, state, stop) -> dict:
                            file=sys.stdout, mininterval=1.0)
             except ImportError:
                 pass
+    peak = [0]
+
+    def probe() -> None:
+        peak[0] = max(peak[0], activation_bytes(model))
+
+    step_seconds: list[float] = []
     preempted = None
     comm.Barrier()
     start = time.perf_counter()
@@ -298,14 +402,30 @@ def _train(args, comm, state, stop) -> dict:
             mine = batch[block_slice(args.batch, dp, state.data.rank)]
             x = tokens(u_train[mine], grid_slice, dtype)
             target = ((v_train[mine] - u_train[mine])[:, grid_slice].T / scale).astype(dtype)
+            began = time.perf_counter()
             model.zero_grad()
             err = model.forward(x) - target
-            local = np.array([np.dot(err.ravel(), err.ravel())], dtype=np.float64)
+            if step == start_step:
+                probe()  # the activations cached after the forward
+            flat = err.ravel() if err.dtype.itemsize >= 4 else err.ravel().astype(np.float32)
+            local = np.array([np.dot(flat, flat)], dtype=np.float64)
             loss = float(reduce_group.all_reduce(local)[0]) / count
-            model.backward(err * (2.0 / count))
-            allreduce_gradients(model, reduce_group, average=False)
-            optimizer.step()
+            err *= grad_factor  # the loss gradient, in place
+            model.watch(probe if step == start_step else None)
+            if scaler is None:
+                model.backward(err)
+            else:  # an overflow is expected now and then: the scaler skips that step
+                with np.errstate(over="ignore", invalid="ignore"):
+                    model.backward(scaler.scale(err))
+            if not args.zero:
+                allreduce_gradients(model, reduce_group, average=False)
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)  # skipped on every rank when any gradient overflowed
+                scaler.update()
             losses.append(loss)
+            step_seconds.append(time.perf_counter() - began)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
                 bar.update()
@@ -352,6 +472,10 @@ def _train(args, comm, state, stop) -> dict:
         "persistence_rel_l2": float(np.sqrt(sums[1] / sums[2])),
         "seconds": seconds,
         "samples_per_second": (args.steps - start_step) * args.batch / max(seconds, 1e-9),
+        "median_step_seconds": float(np.median(step_seconds)) if step_seconds else None,
+        "flags": {"attention": args.attention, "zero": args.zero, "recompute": args.recompute,
+                  "precision": args.precision},
+        "memory": memory_per_rank(model, optimizer, peak[0], comm),
     }
     if show:
         print(f"validation  one-step relative L2 error {metrics['val_rel_l2']:.3e} "
@@ -359,7 +483,28 @@ def _train(args, comm, state, stop) -> dict:
               f"{metrics['val_rel_l2_of_change']:.3f} of the true change)")
         print(f"throughput  {metrics['samples_per_second']:.1f} samples/s "
               f"({seconds:.1f} s for {args.steps - start_step} steps on {comm.Get_size()} ranks)")
+        print_memory(metrics["memory"])
     return metrics
+
+
+def memory_per_rank(model: Module, optimizer, peak_activations: int, comm) -> list[dict]:
+    """Every rank's bytes by kind (:func:`pympar.memory.memory_report`, the activations being
+    the peak cached during a training step) and peak RSS, gathered on every rank."""
+    report = memory_report(model, optimizer)
+    report["activations"] = peak_activations
+    report["total"] = sum(report[k] for k in ("parameters", "gradients", "optimizer",
+                                               "workspace", "activations"))
+    report["peak_rss"] = peak_rss_bytes()
+    return comm.allgather(report)
+
+
+def print_memory(reports: list[dict]) -> None:
+    """One line per rank, in KiB (RSS in MiB)."""
+    kinds = ("parameters", "gradients", "optimizer", "workspace", "activations")
+    print("memory  per rank, KiB: " + " ".join(f"{k:>11}" for k in kinds) + "   peak RSS")
+    for rank, report in enumerate(reports):
+        cells = " ".join(f"{report[k] / 1024:11.1f}" for k in kinds)
+        print(f"        rank {rank:3d}:      {cells}   {report['peak_rss'] / 2**20:.0f} MiB")
 
 
 def write_outputs(metrics: dict, out: Path) -> None:
@@ -392,6 +537,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (splits grid points)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: the rest)")
     p.add_argument("--mode", choices=["1d", "3d"], default="1d", help="tensor-parallel mode")
+    p.add_argument("--attention", choices=["ulysses", "ring", "hybrid"], default="ulysses",
+                   help="context-parallel attention scheme")
+    p.add_argument("--ulysses-size", type=int, default=0,
+                   help="hybrid: context ranks per Ulysses group (must divide --cp; default: "
+                   "the largest divisor u of --cp with u*u <= cp)")
+    p.add_argument("--zero", action="store_true",
+                   help="shard the optimizer state over the data x context group (ZeRO-1)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute every transformer block's activations in backward")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="parameters and compute in half precision with float32 masters "
+                   "(fp16 adds a loss scaler); fp32 means --dtype")
     p.add_argument("--order", default="tp-cp-dp", help="mesh order, innermost first")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16, help="global batch (fields per step)")

@@ -50,7 +50,10 @@ def layout_flags(world):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_resume_same_layout_is_bitwise(shared_dir):
+@pytest.mark.parametrize("resume_flags", [[], ["--recompute"]], ids=["same", "recompute"])
+def test_resume_same_layout_is_bitwise(shared_dir, resume_flags):
+    """Also with --recompute switched on at the restart: it keeps the parameter names and is
+    bitwise, so the run is the same."""
     burgers = load("burgers")
     flags = layout_flags(WORLD.size) + ["--steps", "6", "--checkpoint-every", "3"]
     straight = run(burgers, flags + ["--checkpoint-dir", os.path.join(shared_dir, "a")])
@@ -58,8 +61,8 @@ def test_resume_same_layout_is_bitwise(shared_dir):
         shutil.copytree(os.path.join(shared_dir, "a", "step_00000003"),
                         os.path.join(shared_dir, "b", "step_00000003"))
     WORLD.Barrier()
-    resumed = run(burgers, flags + ["--checkpoint-dir", os.path.join(shared_dir, "b"),
-                                    "--resume"])
+    resumed = run(burgers, flags + resume_flags + ["--checkpoint-dir",
+                                                   os.path.join(shared_dir, "b"), "--resume"])
     a, b = (os.path.join(shared_dir, x, "step_00000006") for x in "ab")
     manifest = json.load(open(os.path.join(a, "manifest.json")))
     differ = [name for name, e in manifest["tensors"].items()

@@ -3,6 +3,7 @@
 import contextlib
 import importlib.util
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -47,11 +48,103 @@ def test_burgers_final_loss_agrees_across_layouts():
               f"{layout}: losses {metrics['losses']} vs serial {serial['losses']}")
 
 
+def widest_context(world):
+    """Every rank in use, context parallelism as wide as 4 (hybrid then has a real ring)."""
+    cp = 4 if world % 4 == 0 else 2 if world % 2 == 0 else 1
+    return ["--tp", "2" if world // cp % 2 == 0 else "1", "--cp", str(cp)]
+
+
+def data_and_context(world):
+    """Every rank in use, with context and (from 4 ranks) data parallelism."""
+    if world % 4 == 0:
+        return ["--tp", str(world // 4), "--cp", "2"]
+    return ["--cp", "2"] if world % 2 == 0 else []
+
+
+def reduce_size(world, layout):
+    """The data x context group's size: ZeRO shards over it."""
+    return world // int(layout[layout.index("--tp") + 1]) if "--tp" in layout else world
+
+
+@pytest.mark.mpi(min_size=1)
+def test_burgers_attention_schemes_agree_with_serial():
+    burgers = load("burgers")
+    serial = burgers.train(burgers.parse_args(TINY), MPI.COMM_SELF)
+    layout = widest_context(WORLD.size)
+    cp = layout[layout.index("--cp") + 1]
+    for flags in (["--attention", "ring"], ["--attention", "hybrid"],
+                  ["--attention", "hybrid", "--ulysses-size", cp]):
+        metrics = burgers.train(burgers.parse_args(TINY + layout + flags), WORLD)
+        agree(metrics["flags"]["attention"] == flags[1]
+              and np.allclose(metrics["losses"], serial["losses"], rtol=1e-9, atol=1e-12)
+              and np.isclose(metrics["val_rel_l2"], serial["val_rel_l2"], rtol=1e-8),
+              f"{layout + flags}: losses {metrics['losses']} vs serial {serial['losses']}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_burgers_zero_matches_allreduce_and_shards_the_state():
+    burgers = load("burgers")
+    layout = data_and_context(WORLD.size)
+    plain = burgers.train(burgers.parse_args(TINY + layout), WORLD)
+    zero = burgers.train(burgers.parse_args(TINY + layout + ["--zero"]), WORLD)
+    agree(np.allclose(zero["losses"], plain["losses"], rtol=1e-9, atol=1e-12)
+          and np.isclose(zero["val_rel_l2"], plain["val_rel_l2"], rtol=1e-8),
+          f"{layout}: --zero losses {zero['losses']} vs {plain['losses']}")
+    # The shares partition every parameter: the group's ranks hold one replica's state.
+    d = reduce_size(WORLD.size, layout)
+    sharded = sum(m["optimizer"] for m in zero["memory"])
+    whole = sum(m["optimizer"] for m in plain["memory"])
+    agree(sharded * d == whole and len(zero["memory"]) == WORLD.size,
+          f"optimizer bytes over all ranks: {sharded} with --zero over {d} ranks, {whole} without")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_burgers_recompute_is_bitwise_and_halves_peak_activations():
+    burgers = load("burgers")
+    flags = TINY + data_and_context(WORLD.size) + ["--layers", "3"]
+    plain = burgers.train(burgers.parse_args(flags), WORLD)
+    recomputed = burgers.train(burgers.parse_args(flags + ["--recompute"]), WORLD)
+    agree(recomputed["losses"] == plain["losses"]
+          and recomputed["val_rel_l2"] == plain["val_rel_l2"],
+          f"--recompute losses {recomputed['losses']} vs {plain['losses']}")
+    peaks = [(a["activations"], b["activations"])
+             for a, b in zip(plain["memory"], recomputed["memory"])]
+    agree(all(0 < 2 * on <= off for off, on in peaks),
+          f"peak activation bytes per rank without/with --recompute: {peaks}")
+
+
+#: Big enough to train for a few dozen steps (the full bf16 vs fp32 comparison, 600 steps of
+#: the default model, is in benchmarks/bench_memory.py --burgers).
+SMALL = ["--batch", "8", "--grid", "16", "--hidden", "16", "--heads", "2", "--layers", "1",
+         "--trajectories", "8", "--frames", "10", "--steps", "40", "--lr", "3e-3", "--quiet"]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("precision,dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
+def test_burgers_half_precision_tracks_fp32(precision, dtype):
+    from pympar import backend
+
+    if precision == "bf16" and backend.bfloat16 is None:
+        pytest.skip("ml_dtypes (bfloat16) is not installed")
+    burgers = load("burgers")
+    full = burgers.train(burgers.parse_args(SMALL), WORLD)
+    half = burgers.train(burgers.parse_args(SMALL + ["--precision", precision]), WORLD)
+    gap = float(np.max(np.abs(np.subtract(half["losses"], full["losses"])) / full["losses"]))
+    halved = all(2 * h["parameters"] == f["parameters"]
+                 for h, f in zip(half["memory"], full["memory"]))
+    agree(half["dtype"] == dtype and halved and gap < 0.05
+          and half["val_rel_l2"] <= 1.5 * full["val_rel_l2"],
+          f"{precision}: loss gap {gap:.3g}, validation {half['val_rel_l2']:.4g} vs "
+          f"{full['val_rel_l2']:.4g}, parameter bytes halved: {halved}")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_burgers_flags_that_do_not_fit(capsys):
     burgers = load("burgers")
     world = WORLD.size
-    bad = [["--tp", str(world + 1)], ["--hidden", "10", "--heads", "3"], ["--tp", "4", "--mode", "3d"]]
+    bad = [["--tp", str(world + 1)], ["--hidden", "10", "--heads", "3"],
+           ["--tp", "4", "--mode", "3d"], ["--ulysses-size", "2"], ["--attention", "hybrid", "--ulysses-size", "3"],
+           ["--precision", "fp16", "--dtype", "float64"]]
     for flags in bad:
         status = burgers.main(TINY + flags)
         agree(status == 2, f"{flags} exited {status}")
@@ -67,6 +160,12 @@ def test_burgers_writes_metrics_and_plot(tmp_path):
     ok = status == 0 and (WORLD.rank != 0 or ((out / "metrics.json").exists()
                                              and (out / "loss.png").stat().st_size > 1000))
     agree(ok, f"status {status}, files {list(out.iterdir()) if out.exists() else None}")
+    if WORLD.rank == 0:
+        memory = json.loads((out / "metrics.json").read_text())["memory"]
+        ok = len(memory) == WORLD.size and all(
+            m["parameters"] > 0 and m["gradients"] > 0 and m["optimizer"] > 0
+            and m["activations"] > 0 and m["peak_rss"] > 2**20 for m in memory)
+    agree(ok, f"memory per rank in metrics.json: {memory if WORLD.rank == 0 else ''}")
 
 
 @pytest.mark.mpi(min_size=8)
@@ -157,11 +256,15 @@ def test_readme_example_runs_and_matches_serial():
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             exec(compile(code, "README.md", "exec"), scope)
         y, x = scope["y"], scope["x"]
+        first_grads = [p.grad is not None for p in scope["fc1"].parameters()]
     finally:
         manager.destroy_parallel()
     loss = float(np.mean((y - x) ** 2))
     agree(printed.getvalue().endswith(f" loss {loss:.6f}\n") and "tp rank" in printed.getvalue(),
           f"the README example printed {printed.getvalue()!r}")
+    # Its first layer takes data: no input gradient, but its weight gradients are there.
+    agree(scope["fc1"].input_grad is False and first_grads == [True, True],
+          f"README fc1: input_grad {scope['fc1'].input_grad}, grads {first_grads}")
     # serial twin of the README's MLP on the same input
     from pympar.modules import GELU, Linear
     fc1, fc2 = Linear(64, 256, seed=1), Linear(256, 64, seed=2)

@@ -98,6 +98,7 @@ class Linear(Module):
         x2d, x_shape = self.saved_tensors()
         check_array(self, dy, None, self.dtype, what="output gradient",
                     shape=(*x_shape[:-1], self.out_features))
+        xp = array_module(dy)
         dy2d = dy.reshape(-1, self.out_features)
         if self.weight.requires_grad:
             self.weight.accumulate_grad(dy2d.T @ x2d, consume=True)
@@ -105,4 +106,6 @@ class Linear(Module):
             self.bias.accumulate_grad(dy2d.sum(axis=0), consume=True)
         if not self.input_grad:
             return None
-        return (dy2d @ self.weight.data).reshape(x_shape)
+        dx2d = xp.empty((dy2d.shape[0], self.in_features), dtype=self.dtype)
+        xp.matmul(dy2d, self.weight.data, out=dx2d)  # out=: bfloat16 matmul returns float32
+        return dx2d.reshape(x_shape)

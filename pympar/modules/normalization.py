@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy
 
-from ..backend import array_module
+from ..backend import array_module, bfloat16
 from ..partition import Placement
 from .core import Module, Parameter, check_array
 
@@ -30,8 +30,9 @@ def local_row_sums(*terms: Any) -> list[Any]:
     for term in terms:
         if isinstance(term, tuple):
             a, b = term
-            # einsum reduces the product without materializing a * b.
-            s = array_module(a).einsum("...j,...j->...", a, b)[..., None]
+            # einsum reduces the product without materializing a * b (it has no bfloat16).
+            s = (array_module(a).einsum("...j,...j->...", a, b)[..., None] if a.dtype != bfloat16
+                 else (a * b).sum(axis=-1, keepdims=True))
         else:
             s = term.sum(axis=-1, keepdims=True)
         sums.append(s)
@@ -88,7 +89,9 @@ def layer_norm_backward(dy: Any, xhat: Any, rstd: Any, weight: Any, hidden: int,
     dgamma = dbeta = dx = None
     if param_grads and weight is not None:
         rows = dy.reshape(-1, dy.shape[-1])
-        dgamma = xp.einsum("ij,ij->j", rows, xhat.reshape(rows.shape))
+        xhat2d = xhat.reshape(rows.shape)
+        dgamma = (xp.einsum("ij,ij->j", rows, xhat2d) if rows.dtype != bfloat16
+                  else (rows * xhat2d).sum(axis=0))
         dbeta = rows.sum(axis=0)
     if input_grad:
         dx = dy.copy() if weight is None else xp.multiply(dy, weight)
