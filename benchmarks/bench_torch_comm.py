@@ -15,7 +15,7 @@ three ways, interleaved sample by sample (a new order each round):
 operation                   pympar                                            torch.distributed (gloo)
 ==========================  ===============================================  =================================
 all_reduce (in place)       ``reduce_from_all(x, out=x)``                     ``all_reduce(x)``
-all_gather axis 0           ``gather_from_sequence(x, out=, size=)``          ``all_gather_into_tensor(out, x)``
+all_gather axis 0           ``gather_from_sequence(x, out=, global_size=)``   ``all_gather_into_tensor(out, x)``
 reduce_scatter axis 0       ``reduce_scatter_to_sequence(x, out=)``           ``reduce_scatter_tensor(out, x)``
 all_to_all (rank-major)     ``all_to_all_from_sequence_to_hidden`` on         ``all_to_all_single(out, x)``
                             ``x.reshape(p, n/p)`` with ``head_axis=0,
@@ -91,7 +91,7 @@ def cases(group: Any, dist: Any, torch: Any, nbytes: int) -> list[Case]:
              lambda: dist.all_reduce(tz), zeros),
         Case("all_gather",
              lambda: comm.Allgather(x, gathered),
-             lambda: M.gather_from_sequence(x, group, out=gathered, size=p * rows),
+             lambda: M.gather_from_sequence(x, group, out=gathered, global_size=p * rows),
              lambda: dist.all_gather_into_tensor(tg, tx), gathered),
         Case("reduce_scatter",
              lambda: comm.Reduce_scatter_block(x, block, MPI.SUM),

@@ -51,18 +51,18 @@ from mpi4py import MPI
 
 from pympar import backend, checkpoint, manager
 from pympar.amp import GradScaler, master_weights_optimizer
-from pympar.collectives import block_slice
+from pympar.launch import RankZeroParser, launcher_hint, report_error
 from pympar.memory import activation_bytes, memory_report
 from pympar.modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
                             Linear3D, Module, Recompute, RowParallelLinear, layout_3d)
 from pympar.modules.context_attention import split_context_group
 from pympar.optim import AdamW, allreduce_gradients
+from pympar.partition import block_slice
 from pympar.preemption import Preemption
 from pympar.zero import ZeroRedundancyOptimizer
 
-#: Environment variables that MPI launchers (MPICH, Open MPI, Slurm) set in every rank.
-LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID",
-                      "MPI_LOCALNRANKS")
+#: How to run this example (said when it is started as one process without a launcher).
+COMMAND = "examples/burgers.py ..."
 
 # ---------------------------------------------------------------- the solver
 
@@ -237,22 +237,14 @@ def tokens(u: np.ndarray, grid_slice: slice, dtype) -> np.ndarray:
     return out
 
 
-def launcher_hint(world: int) -> str:
-    """A hint to start ranks with a launcher, when this is one process started without one."""
-    if world > 1 or any(name in os.environ for name in LAUNCHER_VARIABLES):
-        return ""
-    return ("; this is a single process started without a launcher: run "
-            "`mpiexec -n N python -m mpi4py examples/burgers.py ...` for N ranks")
-
-
 def check_layout(args: argparse.Namespace, world: int) -> None:
     """Reject flags that cannot fit the world size or the model (ValueError, one line)."""
     if args.tp * args.cp * max(args.dp, 1) > world or world % (args.tp * args.cp):
         raise ValueError(f"--tp {args.tp} x --cp {args.cp} does not divide {world} ranks"
-                         + launcher_hint(world))
+                         + launcher_hint(COMMAND))
     if args.dp and args.dp * args.tp * args.cp != world:
         raise ValueError(f"--tp {args.tp} x --cp {args.cp} x --dp {args.dp} != {world} ranks"
-                         + launcher_hint(world))
+                         + launcher_hint(COMMAND))
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
@@ -532,7 +524,7 @@ def write_outputs(metrics: dict, out: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The example's flags."""
-    p = RankZeroParser(description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(description=__doc__.split("\n\n")[0], command=COMMAND)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (a cube in 3d mode)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (splits grid points)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default: the rest)")
@@ -574,19 +566,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class RankZeroParser(argparse.ArgumentParser):
-    """Argument errors printed once, by rank 0, and flushed before the exit (and any abort)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        """Print the usage and ``message`` on rank 0, then exit with status 2 on every rank."""
-        world = MPI.COMM_WORLD
-        if world.Get_rank() == 0:
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}{launcher_hint(world.Get_size())}",
-                  file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-
 def main(argv=None) -> int:
     """Run the example; returns the exit status (2 for flags that do not fit)."""
     comm = MPI.COMM_WORLD
@@ -599,9 +578,7 @@ def main(argv=None) -> int:
     try:
         metrics = train(args, comm)
     except ValueError as err:
-        if comm.Get_rank() == 0:
-            print(f"burgers.py: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return report_error("burgers.py", str(err))
     if comm.Get_rank() == 0 and "preempted_at" not in metrics:
         write_outputs(metrics, args.out)
     return 0

@@ -13,36 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
-from pympar import faults, manager
+from pympar import manager
+from pympar.launch import RankZeroParser, launcher_hint, report_error
 from pympar.modules import GELU, Linear, Linear3D, MSELoss
 from pympar.optim import SGD
-
-
-class Parser(argparse.ArgumentParser):
-    """Usage and flag errors printed once, by rank 0, and out before any rank exits.
-
-    Every rank parses the same command line, so every rank reaches ``exit``.
-    """
-
-    def _print_message(self, message: str, file=None) -> None:
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            super()._print_message(message, file)
-            (file or sys.stderr).flush()
-
-    def exit(self, status: int = 0, message: str | None = None):
-        if message:
-            self._print_message(message, sys.stderr)
-        # python -m mpi4py aborts the job on a non-zero exit, and an aborting job's last
-        # output is often lost: every rank waits for the message, then a moment more.
-        MPI.COMM_WORLD.Barrier()
-        if status and MPI.COMM_WORLD.Get_size() > 1:
-            time.sleep(faults.ABORT_DELAY)
-        sys.exit(status)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -96,7 +74,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     """Parse flags, train, report."""
-    p = Parser(prog="linear3d.py", description="3D tensor-parallel MLP")
+    p = RankZeroParser(prog="linear3d.py", description="3D tensor-parallel MLP",
+                       command="examples/linear3d.py")
     p.add_argument("--tp", type=int, default=8, help="cube size d**3 (8 for depth 2)")
     p.add_argument("--features", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
@@ -107,17 +86,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         result = run(args)
-    except ValueError as err:  # raised on every rank alike: say it once, then all exit
-        if comm.rank == 0:
-            hint = ("; this is a single process: start the example under a launcher, e.g. "
-                    "`mpiexec -n 8 python examples/linear3d.py`" if comm.size == 1 else "")
-            print(f"linear3d.py: error: {err}{hint}", file=sys.stderr, flush=True)
-        # No rank exits (python -m mpi4py aborts the job on a non-zero exit) before the
-        # message is out and forwarded by the launcher.
-        comm.Barrier()
-        if comm.size > 1:
-            time.sleep(faults.ABORT_DELAY)
-        return 2
+    except ValueError as err:  # raised on every rank alike: said once, then all exit
+        return report_error("linear3d.py", f"{err}{launcher_hint('examples/linear3d.py')}")
     if comm.rank == 0:
         print(f"final loss {result['losses'][-1]:.6f}; largest difference between the gathered 3D "
               f"weights and the serial model's: {result['max_weight_difference']:.2e}")

@@ -10,36 +10,13 @@ what every rank holds after the forward and after the backward of a mapping.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
-from pympar import faults, manager, mappings
-
-
-class Parser(argparse.ArgumentParser):
-    """Usage and flag errors printed once, by rank 0, and out before any rank exits.
-
-    Every rank parses the same command line, so every rank reaches ``exit``.
-    """
-
-    def _print_message(self, message: str, file=None) -> None:
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            super()._print_message(message, file)
-            (file or sys.stderr).flush()
-
-    def exit(self, status: int = 0, message: str | None = None):
-        if message:
-            self._print_message(message, sys.stderr)
-        # python -m mpi4py aborts the job on a non-zero exit, and an aborting job's last
-        # output is often lost: every rank waits for the message, then a moment more.
-        MPI.COMM_WORLD.Barrier()
-        if status and MPI.COMM_WORLD.Get_size() > 1:
-            time.sleep(faults.ABORT_DELAY)
-        sys.exit(status)
+from pympar import manager, mappings
+from pympar.launch import RankZeroParser
 
 
 def show(title: str, arrays: list[np.ndarray]) -> None:
@@ -54,7 +31,7 @@ def main(argv=None) -> int:
     """Walk through every mapping on the whole world as one group."""
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
-    parser = Parser(prog="mapping_tour.py", description=__doc__.split("\n\n")[0])
+    parser = RankZeroParser(prog="mapping_tour.py", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     if size == 1 and rank == 0:
         print("a single process: nothing is split. Start it under a launcher to see the "
@@ -68,12 +45,12 @@ def main(argv=None) -> int:
     steps = [
         ("copy_to_all", full, {}, full, {}),
         ("reduce_from_all", partial, {}, full, {}),
-        ("scatter_to_hidden", full, {}, full[:, cols], {"size": 3}),
-        ("gather_from_hidden", full[:, cols], {"size": 3}, full, {}),
-        ("scatter_to_sequence", full, {}, full[rows], {"size": 5}),
-        ("gather_from_sequence", full[rows], {"size": 5}, full, {}),
-        ("reduce_scatter_to_sequence", partial, {}, full[rows], {"size": 5}),
-        ("reduce_scatter_to_hidden", partial, {}, full[:, cols], {"size": 3}),
+        ("scatter_to_hidden", full, {}, full[:, cols], {"global_size": 3}),
+        ("gather_from_hidden", full[:, cols], {"global_size": 3}, full, {}),
+        ("scatter_to_sequence", full, {}, full[rows], {"global_size": 5}),
+        ("gather_from_sequence", full[rows], {"global_size": 5}, full, {}),
+        ("reduce_scatter_to_sequence", partial, {}, full[rows], {"global_size": 5}),
+        ("reduce_scatter_to_hidden", partial, {}, full[:, cols], {"global_size": 3}),
     ]
     if rank == 0:
         print(f"{size} ranks, group {tp.name}; the global array is\n{full}")

@@ -22,6 +22,7 @@ from types import ModuleType
 from mpi4py import MPI
 
 from . import __version__, backend, manager
+from .launch import RankZeroParser, report_error
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -108,17 +109,9 @@ DESCRIPTION = ("pympar's command line: `info` prints the MPI setup and the paral
 REFERENCE_WIDTH = 88
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser that prints usage, help, version and errors on rank 0 only."""
-
-    def _print_message(self, message: str, file: object = None) -> None:
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            super()._print_message(message, file)  # type: ignore[arg-type]
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of ``python -m pympar`` (also used to write the CLI reference)."""
-    parser = _Parser(prog="python -m pympar", description=DESCRIPTION)
+    parser = RankZeroParser(prog="python -m pympar", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pympar {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{info,bench}")
     info = commands.add_parser("info", help="print the MPI setup and the parallel layout",
@@ -184,10 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as err:
         # pympar raises these on every rank alike (initialize_parallel agrees first):
         # one copy of the message, not one per rank.
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            args.parser.print_usage(sys.stderr)
-            print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+        args.parser.print_usage(sys.stderr)  # rank 0 alone prints
+        return report_error(args.parser.prog, str(err))
 
 
 if __name__ == "__main__":

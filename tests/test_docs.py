@@ -36,6 +36,7 @@ API_PAGES = {
     "mappings": "all_to_all_from_sequence_to_hidden",
     "debug": "CollectiveMismatchError",
     "faults": "MUST_AGREE",
+    "launch": "RankZeroParser",
     "stats": "Recorder",
     "modules": "ColumnParallelLinear",
     "optim": "allreduce_gradients",
