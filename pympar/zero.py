@@ -10,6 +10,11 @@ Half-precision parameters (float16, bfloat16) get float32 master weights for the
 their gradients are reduced in float32 and the update is done on the masters, then rounded
 once into the parameters.
 
+The state keeps the plain optimizers' format (``"type"`` is the wrapped class, so ZeRO over
+AdamW and AdamW load each other's state): ``state_dict()`` gathers it (collective),
+``local_state_dict()`` is this rank's share at ``state_placements()``, which is what
+:mod:`pympar.checkpoint` writes and reads, never gathering.
+
 Communication is bucketed: per bucket, a ``(d, width)`` buffer whose row ``k`` holds rank
 ``k``'s share of every member parameter, so that a single ``reduce_scatter`` / ``all_gather``
 along axis 0 (even blocks) moves a whole bucket. ``width`` is rank 0's total, the largest under
