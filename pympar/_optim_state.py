@@ -165,7 +165,10 @@ class StateDictMixin:
         return self.state_dict()
 
     def check_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """Check a :meth:`local_state_dict`-shaped dict, changing nothing (as :meth:`check_state_dict`)."""
+        """Check a :meth:`local_state_dict`-shaped dict, changing nothing.
+
+        Here exactly :meth:`check_state_dict`.
+        """
         return self.check_state_dict(state_dict)
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any]) -> None:

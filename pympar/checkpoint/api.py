@@ -349,7 +349,8 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         for i, t in enumerate(tensors):
             with open_fd(entries[t.name]["path"]) as fd:
                 for g, lo in t.placement.pieces():
-                    read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored, buffer)
+                    read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored,
+                             buffer)
         if optimizer is not None:
             optimizer.load_local_state_dict(state)
 
