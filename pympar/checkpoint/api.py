@@ -45,9 +45,11 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     model : Module
         Each parameter is saved under its dotted name as the full serial-layout array, from
         every rank's block (``Parameter.placement``).
-    optimizer : Optimizer, optional
+    optimizer : Optimizer or ZeroRedundancyOptimizer, optional
         Its moments are saved as ``optimizer/<param name>/<key>`` tensors, its step counts and
-        hyperparameters in the manifest.
+        hyperparameters in the manifest. Each rank writes the block its
+        ``local_state_dict()`` holds at ``state_placements()``: a ZeRO optimizer's shares go
+        straight into the full files, never gathered, and read back as the plain optimizer's.
     step : int, optional
         Stored in the manifest; :func:`latest` orders checkpoints by it.
     extra : JSON-compatible, optional
@@ -251,8 +253,10 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     model : Module
         Receives every saved parameter of the same dotted name; full shapes and dtypes must
         match, layouts need not.
-    optimizer : Optimizer, optional
-        Receives the saved moments, step counts and hyperparameters (same optimizer type).
+    optimizer : Optimizer or ZeroRedundancyOptimizer, optional
+        Receives the saved moments, step counts and hyperparameters (same optimizer type;
+        ZeRO counts as the class it wraps), each rank reading only its block (its shard, or
+        its share under ZeRO) whatever the saving run's layout and sharding.
     comm : mpi4py communicator or Group, optional
         As for :func:`save`.
 
@@ -266,7 +270,8 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     ------
     CheckpointError
         On every rank, naming the tensor: a missing, truncated, corrupted (checksum) or
-        untrusted file, a tensor missing or fitting no parameter, an unknown format version.
+        untrusted file, a tensor missing or fitting no parameter, an unknown format version,
+        the state of another optimizer type.
         Nothing has been changed when it is raised before the data are read.
     """
     comm = default_comm(comm)
