@@ -4,6 +4,13 @@ The state is a plain dict in torch's spirit: the optimizer's type, its hyperpara
 per parameter position, the step count and the moment arrays (shaped like the parameter's
 shard). Subclasses name their moments (``state_keys``) and hyperparameters
 (``hyperparameter_names``) and check the latter (``_check_hyperparameters``).
+
+The *local* state protocol is what :mod:`pympar.checkpoint` uses, for these optimizers and for
+:class:`pympar.zero.ZeroRedundancyOptimizer` alike: :meth:`~StateDictMixin.local_state_dict`
+has the format of ``state_dict()`` with every array being this rank's block, and
+:meth:`~StateDictMixin.state_placements` says where that block sits in the full serial
+array. Here the block is the parameter's shard; under ZeRO it is this rank's share of it,
+so the checkpoint never gathers state.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["StateDictMixin"]
+from .backend import array_module
+
+__all__ = ["StateDictMixin", "ShardedStateMixin"]
 
 
 class StateDictMixin:
@@ -82,7 +91,9 @@ class StateDictMixin:
         for i in range(len(self.params)):
             self.steps[i] = int(state[i]["step"])
             for key in self.state_keys:
-                _copy_into(self._moments(key)[i], state[i][key])
+                live = self._moments(key)[i]
+                if state[i][key] is not live:  # a checkpoint load has filled the live buffer
+                    _copy_into(live, state[i][key])
 
     def check_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """Check ``state_dict`` as :meth:`load_state_dict` does, changing nothing.
@@ -138,9 +149,200 @@ class StateDictMixin:
         return self._check_hyperparameters(
             {k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
 
+    # -- local state protocol (pympar.checkpoint): no communication, nothing copied ----------
+    def state_placements(self) -> list[Any]:
+        """Per parameter position, the placement of the arrays of :meth:`local_state_dict`.
+
+        Returns
+        -------
+        list of Placement
+            Here each parameter's own ``placement``: the moments are shaped like its shard.
+        """
+        return [p.placement for p in self.params]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's block of the state: here the same as :meth:`state_dict` (not collective)."""
+        return self.state_dict()
+
+    def check_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a :meth:`local_state_dict`-shaped dict, changing nothing.
+
+        Here exactly :meth:`check_state_dict`.
+        """
+        return self.check_state_dict(state_dict)
+
+    def load_local_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`local_state_dict` output in place (as :meth:`load_state_dict`)."""
+        self.load_state_dict(state_dict)
+
     def _check_hyperparameters(self, hyper: dict[str, Any]) -> dict[str, Any]:
         lr = hyper["lr"]
         if not isinstance(lr, (int, float)) or lr < 0:
             raise ValueError(f"{type(self).__name__}.load_state_dict: lr must be a number >= 0, "
                              f"got {lr!r}")
         return {"lr": float(lr)}
+
+
+class ShardedStateMixin:
+    """The state of :class:`pympar.zero.ZeroRedundancyOptimizer`, in the plain optimizers' format.
+
+    The host class provides ``optimizer`` (the wrapped optimizer, built on the shares),
+    ``params``, ``shares`` (share-parameters with their ``placement``), ``masters`` (bool per
+    parameter), ``group`` and ``_rows`` (per parameter, every rank's rows as slices).
+    """
+
+    def state_placements(self) -> list[Any]:
+        """Per parameter, the placement of this rank's share (of every state array of it).
+
+        ``self.optimizer``'s state arrays for parameter ``i`` (e.g. ``exp_avg[i]``) and the
+        master ``shares[i].data`` are this block of the full serial array.
+        """
+        return [s.placement for s in self.shares]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state, in the plain optimizers' format; not collective.
+
+        Returns
+        -------
+        dict
+            The wrapped optimizer's ``state_dict()``: ``{"type": its class name (e.g.
+            ``"AdamW"``), "hyperparameters": {...}, "state": {i: {"step": int, <moment>:
+            share array, ...}}}`` with ``i`` the position in :attr:`params`, plus
+            ``"master"`` (the float32 master share) for a half-precision parameter. Arrays are
+            the live buffers; those of parameter ``i`` are the block
+            ``state_placements()[i]`` of the full serial array, which is where
+            :mod:`pympar.checkpoint` writes and reads them: nothing is gathered.
+        """
+        state = self.optimizer.state_dict()
+        for i, master in enumerate(self.masters):
+            if master:
+                state["state"][i]["master"] = self.shares[i].data
+        return state
+
+    def check_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a :meth:`local_state_dict`-shaped dict (this rank's shares), changing nothing.
+
+        Returns
+        -------
+        dict
+            The checked hyperparameters.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As the wrapped optimizer's ``check_state_dict`` (another optimizer type, a missing
+            entry, a share of the wrong shape or dtype), or a master of the wrong shape or dtype.
+        """
+        inner, masters = self._split_masters(state_dict)
+        checked = self.optimizer.check_state_dict(inner)
+        for i, master in masters.items():
+            share = self.shares[i]
+            if (not hasattr(master, "shape") or tuple(master.shape) != share.shape
+                    or master.dtype != share.data.dtype):
+                raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: state[{i}]['master'] "
+                                 f"({share.name or 'unnamed'}) must be a {share.data.dtype} "
+                                 f"array of shape {share.shape} (this rank's share)")
+        return checked
+
+    def load_local_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`local_state_dict` output (this rank's shares) in place; not collective.
+
+        A half-precision parameter without a ``"master"`` entry gets its master from the
+        parameter. Everything is checked (:meth:`check_local_state_dict`) before anything
+        changes.
+        """
+        self.check_local_state_dict(state_dict)
+        inner, masters = self._split_masters(state_dict)
+        self.optimizer.load_state_dict(inner)
+        me = self.group.rank
+        for i, share in enumerate(self.shares):
+            if not self.masters[i]:
+                continue
+            src = masters.get(i)
+            if src is None:
+                src = self.params[i].data[self._rows[i][me]]
+            if src is not share.data:  # a checkpoint load has filled the live master already
+                share.data[...] = _to_module(src, share.data)
+
+    def _split_masters(self, state_dict: Any) -> tuple[Any, dict[int, Any]]:
+        """The wrapped optimizer's part of a local state dict, and the masters by position.
+
+        Malformed input comes back unchanged, for the wrapped optimizer's check to refuse.
+        """
+        state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        if not isinstance(state, Mapping):
+            return state_dict, {}
+        inner, masters = {}, {}
+        for i, entry in state.items():
+            if (isinstance(entry, Mapping) and "master" in entry and isinstance(i, int)
+                    and 0 <= i < len(self.masters) and self.masters[i]):
+                masters[i] = entry["master"]
+                entry = {k: v for k, v in entry.items() if k != "master"}
+            inner[i] = entry
+        return dict(state_dict, state=inner), masters
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state for the full local parameters, as an unsharded optimizer holds it; collective.
+
+        Every rank of ``group`` must call it: each share is all-gathered. For checkpoints use
+        :mod:`pympar.checkpoint`, which writes the shares where they belong without gathering.
+
+        Returns
+        -------
+        dict
+            :meth:`local_state_dict` with every array gathered to its parameter's (local)
+            shape: for float32/float64 parameters exactly what the wrapped optimizer class
+            (e.g. :class:`pympar.optim.AdamW`) built on the same parameters returns, so either
+            loads the other's state.
+        """
+        state = self.local_state_dict()
+        for i, entry in state["state"].items():
+            for key, value in entry.items():
+                if key != "step":
+                    entry[key] = self._gather_share(i, value)
+        return state
+
+    def _gather_share(self, i: int, value: Any) -> Any:
+        sizes = tuple(rows.stop - rows.start for rows in self._rows[i])
+        return self.group.all_gather(array_module(value).ascontiguousarray(value), axis=0,
+                                     sizes=sizes)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict` (of ZeRO on any group size, or of the plain optimizer).
+
+        Not collective: each rank keeps its share of every array.
+
+        Raises
+        ------
+        TypeError, ValueError
+            When the state does not fit (another optimizer type, a missing entry, an array not
+            shaped like its parameter, ...); nothing is modified.
+        """
+        me = self.group.rank
+        state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        if not isinstance(state, Mapping):
+            self.load_local_state_dict(state_dict)  # refused there, with the plain message
+            return
+        local = {}
+        for i, entry in state.items():
+            if isinstance(entry, Mapping) and isinstance(i, int) and 0 <= i < len(self.params):
+                p, rows = self.params[i], self._rows[i][me]
+                entry = dict(entry)
+                for key, value in entry.items():
+                    if not hasattr(value, "shape") or key == "step":
+                        continue
+                    if tuple(value.shape) != p.shape:
+                        raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: state[{i}]"
+                                         f"[{key!r}] ({p.name or 'unnamed'}) has shape "
+                                         f"{tuple(value.shape)}, expected the parameter's "
+                                         f"{p.shape}")
+                    entry[key] = value[rows]
+            local[i] = entry
+        self.load_local_state_dict(dict(state_dict, state=local))
+
+
+def _to_module(src: Any, like: Any) -> Any:
+    # A CuPy source must come to the host before landing in a NumPy destination, and back.
+    if hasattr(src, "get") and not hasattr(like, "get"):
+        return src.get()
+    return array_module(like).asarray(src)

@@ -10,6 +10,11 @@ Half-precision parameters (float16, bfloat16) get float32 master weights for the
 their gradients are reduced in float32 and the update is done on the masters, then rounded
 once into the parameters.
 
+The state keeps the plain optimizers' format (``"type"`` is the wrapped class, so ZeRO over
+AdamW and AdamW load each other's state): ``state_dict()`` gathers it (collective),
+``local_state_dict()`` is this rank's share at ``state_placements()``, which is what
+:mod:`pympar.checkpoint` writes and reads, never gathering.
+
 Communication is bucketed: per bucket, a ``(d, width)`` buffer whose row ``k`` holds rank
 ``k``'s share of every member parameter, so that a single ``reduce_scatter`` / ``all_gather``
 along axis 0 (even blocks) moves a whole bucket. ``width`` is rank 0's total, the largest under
@@ -20,10 +25,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ._optim_state import ShardedStateMixin
 from .backend import accumulation_dtype, array_module
 from .modules.core import Module, Parameter, as_parameter_list
 from .optim import AdamW, Optimizer
-from .partition import Placement, Split, block_slice
+from .partition import Split, block_slice
 
 __all__ = ["ZeroRedundancyOptimizer", "default_group", "per_param_state"]
 
@@ -66,7 +72,7 @@ class _Bucket:
         self.xp, self.dtype, self.reduce_dtype = xp, dtype, reduce_dtype
 
 
-class ZeroRedundancyOptimizer:
+class ZeroRedundancyOptimizer(ShardedStateMixin):
     """Shard an optimizer's state over a data-parallel group (ZeRO-1, torch's name and order).
 
     Use it in place of ``allreduce_gradients`` + optimizer: after backward, :meth:`step`
@@ -304,79 +310,3 @@ class ZeroRedundancyOptimizer:
             for i, offset, size in bucket.rows[k]:
                 target = self.params[i].data[self._rows[i][k]]
                 target[...] = recv[k, offset: offset + size].reshape(target.shape)
-
-    # -- state ---------------------------------------------------------------------------
-    def state_placements(self) -> list[Placement]:
-        """Per parameter, the placement of this rank's share (of every state array of it).
-
-        ``self.optimizer``'s state arrays for parameter ``i`` (e.g. ``exp_avg[i]``) and the
-        master ``shares[i].data`` are this block of the full serial array.
-        """
-        return [s.placement for s in self.shares]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state for the full local parameters (collective over ``group``).
-
-        Returns
-        -------
-        dict
-            ``{"state": {name: [per parameter]}, "lr": float}``: every per-parameter state
-            list of the wrapped optimizer (``exp_avg``, ``exp_avg_sq``, ``steps``, ...) with
-            arrays all-gathered to the local parameter's shape, as an unsharded optimizer on
-            the same parameters holds them; ``"master"`` holds float32 masters (or ``None``).
-        """
-        state = {}
-        for name, values in per_param_state(self.optimizer).items():
-            state[name] = [self._gather_share(i, v) for i, v in enumerate(values)]
-        state["master"] = [self._gather_share(i, s.data) if m else None
-                           for i, (s, m) in enumerate(zip(self.shares, self.masters))]
-        return {"state": state, "lr": self.optimizer.lr}
-
-    def _gather_share(self, i: int, value: Any) -> Any:
-        if not hasattr(value, "shape") or tuple(value.shape) != self.shares[i].shape:
-            return value
-        sizes = tuple(rows.stop - rows.start for rows in self._rows[i])
-        return self.group.all_gather(array_module(value).ascontiguousarray(value), axis=0,
-                                     sizes=sizes)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` (any group size): keep this rank's share of each array.
-
-        Raises
-        ------
-        ValueError
-            When a state list or array does not match the parameters; nothing is modified.
-        """
-        own = per_param_state(self.optimizer)
-        state = state_dict["state"]
-        missing = sorted(set(own) - set(state))
-        if missing:
-            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: missing state {missing}")
-        for name in own:
-            if len(state[name]) != len(self.params):
-                raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: {name!r} has "
-                                 f"{len(state[name])} entries for {len(self.params)} parameters")
-            for p, v in zip(self.params, state[name]):
-                if hasattr(v, "shape") and tuple(v.shape) != p.shape:
-                    raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: {name!r} of "
-                                     f"{p.name} has shape {tuple(v.shape)}, expected {p.shape}")
-        rows = [r[self.group.rank] for r in self._rows]
-        for name, values in own.items():
-            for i, v in enumerate(state[name]):
-                if hasattr(v, "shape") and hasattr(values[i], "shape"):
-                    values[i][...] = _to_module(v[rows[i]], values[i])
-                else:
-                    values[i] = v
-        masters = state.get("master") or [None] * len(self.params)
-        for i, (share, m) in enumerate(zip(self.shares, self.masters)):
-            if m:
-                src = masters[i] if masters[i] is not None else self.params[i].data
-                share.data[...] = _to_module(src[rows[i]], share.data)
-        self.optimizer.lr = float(state_dict.get("lr", self.optimizer.lr))
-
-
-def _to_module(src: Any, like: Any) -> Any:
-    # A CuPy source must come to the host before landing in a NumPy destination, and back.
-    if hasattr(src, "get") and not hasattr(like, "get"):
-        return src.get()
-    return array_module(like).asarray(src)

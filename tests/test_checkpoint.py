@@ -18,13 +18,16 @@ import zlib
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpi_helpers import WORLD, agree, raises_everywhere
 from pympar import checkpoint, manager
 from pympar.backend import bfloat16
 from pympar.checkpoint import api
+from pympar.group import Group
 from pympar.modules import Linear, Module, Parameter
 from pympar.optim import AdamW
+from pympar.zero import ZeroRedundancyOptimizer
 from pympar.partition import Placement, Split
 
 SHAPES = {"col": (7, 10), "row": (9, 5), "cube": (6, 5, 4), "rep": (11,)}
@@ -201,6 +204,39 @@ def test_extra_memory_is_bounded(state, shared_dir, monkeypatch):
     limit = shard + 64 * 1024
     agree(save_peak < limit and load_peak < limit and np.array_equal(big.data, before),
           f"shard {shard} B, buffer 64 KiB: peak extra save {save_peak} B, load {load_peak} B")
+
+
+def test_zero_state_is_saved_and_loaded_without_gathering(state, shared_dir, monkeypatch):
+    """ZeRO's moments go straight from each rank's share to the files and back: the peak extra
+    memory stays under one share + the staging buffer (a gathered moment would be d shares)."""
+    monkeypatch.setattr(api, "BUFFER_BYTES", 64 * 1024)
+    world = Group(MPI.COMM_WORLD, "world", range(WORLD.size), owns_comm=False)
+    model = Module()
+    model.big = Parameter(np.random.default_rng(0).standard_normal((512, 64)))
+    opt = ZeroRedundancyOptimizer(model, AdamW, group=world)
+    model.big.grad = np.random.default_rng(1).standard_normal((512, 64))
+    opt.step()
+    moments = [m.copy() for m in (opt.optimizer.exp_avg[0], opt.optimizer.exp_avg_sq[0])]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        path = checkpoint.save(os.path.join(shared_dir, "c"), model, opt)
+        save_peak = tracemalloc.get_traced_memory()[1] - base
+        opt.optimizer.exp_avg[0][...] = 0
+        opt.optimizer.exp_avg_sq[0][...] = 0
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        checkpoint.load(path, model, opt)
+        load_peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    limit = moments[0].nbytes + 64 * 1024
+    restored = all(np.array_equal(a, b) for a, b in
+                   zip(moments, (opt.optimizer.exp_avg[0], opt.optimizer.exp_avg_sq[0])))
+    agree(save_peak < limit and load_peak < limit and restored,
+          f"share {moments[0].nbytes} B, buffer 64 KiB: peak extra save {save_peak} B, load "
+          f"{load_peak} B; moments restored: {restored}")
 
 
 def test_latest_keep_and_no_overwrite(state, shared_dir):

@@ -9,7 +9,8 @@ from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywh
 from pympar import backend, manager
 from pympar.group import Group
 from pympar.memory import optimizer_bytes, workspace_bytes
-from pympar.modules import GELU, ColumnParallelLinear, Linear, Parameter, RowParallelLinear
+from pympar.modules import (GELU, ColumnParallelLinear, Linear, Parameter, RowParallelLinear,
+                            Sequential)
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.partition import Split
 from pympar.zero import ZeroRedundancyOptimizer
@@ -24,36 +25,30 @@ def data(step, xp=np):
 
 
 class MLP:
-    """Column -> GELU -> Row with hand-driven backward (as tests/test_training.py)."""
+    """Column -> GELU -> Row (or, ``serial``, Linear -> GELU -> Linear: the same names)."""
 
-    def __init__(self, dtype=np.float64, xp=np):
-        self.fc1 = ColumnParallelLinear(FEATURES, HIDDEN, gather_output=False, dtype=dtype, seed=1,
-                                        xp=xp)
-        self.act = GELU()
-        self.fc2 = RowParallelLinear(HIDDEN, FEATURES, input_is_parallel=True, dtype=dtype, seed=2,
-                                     xp=xp)
-        self.params = [*self.fc1.parameters(), *self.fc2.parameters()]
+    def __init__(self, dtype=np.float64, xp=np, serial=False, seeds=(1, 2)):
+        if serial:
+            fc1 = Linear(FEATURES, HIDDEN, dtype=dtype, seed=seeds[0], xp=xp)
+            fc2 = Linear(HIDDEN, FEATURES, dtype=dtype, seed=seeds[1], xp=xp)
+        else:
+            fc1 = ColumnParallelLinear(FEATURES, HIDDEN, gather_output=False, dtype=dtype,
+                                       seed=seeds[0], xp=xp)
+            fc2 = RowParallelLinear(HIDDEN, FEATURES, input_is_parallel=True, dtype=dtype,
+                                    seed=seeds[1], xp=xp)
+        self.net = Sequential(fc1, GELU(), fc2)
+        self.params = self.net.parameters()
 
     def step(self, x, target, count):
         """Forward and backward of the summed squared error / count; returns the local sum."""
-        err = self.fc2(self.act(self.fc1(x))) - target
-        self.fc1.backward(self.act.backward(self.fc2.backward(err * (2.0 / count))))
+        err = self.net(x) - target
+        self.net.backward(err * (2.0 / count))
         return float((err * err).sum())
 
 
-def serial_losses(xp):
+def serial_losses(xp, steps=STEPS):
     """The same training, serial: Linear -> GELU -> Linear with the full batch and AdamW."""
-    fc1, act = Linear(FEATURES, HIDDEN, dtype=np.float64, seed=1, xp=xp), GELU()
-    fc2 = Linear(HIDDEN, FEATURES, dtype=np.float64, seed=2, xp=xp)
-    opt, losses = AdamW([*fc1.parameters(), *fc2.parameters()], lr=1e-2), []
-    for step in range(STEPS):
-        x, target = data(step, xp)
-        opt.zero_grad()
-        err = fc2(act(fc1(x))) - target
-        fc1.backward(act.backward(fc2.backward(err * (2.0 / (BATCH * FEATURES)))))
-        losses.append(float((err * err).sum()))
-        opt.step()
-    return np.array(losses)
+    return train(False, self_group(), steps, model=MLP(xp=xp, serial=True), xp=xp)[2]
 
 
 def layout(tp):
@@ -63,14 +58,15 @@ def layout(tp):
     return manager.get_data_parallel_group()
 
 
-def train(sharded, dp, steps=STEPS, model=None, opt=None, xp=np):
+def train(sharded, dp, steps=STEPS, model=None, opt=None, xp=np, start=0):
+    """``steps`` steps on batches ``start, start + 1, ...``; the losses are full-batch sums."""
     model = model or MLP(xp=xp)
     if opt is None:
         opt = (ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-2, bucket_bytes=1024) if sharded
                else AdamW(model.params, lr=1e-2))
     rows = block(BATCH, dp.size, dp.rank)
     losses = []
-    for step in range(steps):
+    for step in range(start, start + steps):
         x, target = data(step, xp)
         opt.zero_grad()
         # Mean over the local rows: averaging over DP (even split) gives the global mean.
@@ -171,27 +167,45 @@ def test_zero_state_dict_is_the_unsharded_state_and_reloads(tp):
     try:
         plain, plain_opt, _ = train(False, dp, steps=4)
         model, opt, _ = train(True, dp, steps=4)
-        state = opt.state_dict()
-        for name in ("exp_avg", "exp_avg_sq"):
-            for i, a in enumerate(state["state"][name]):
-                assert_close(a, getattr(plain_opt, name)[i], rtol=1e-12, atol=1e-15,
-                             what=f"{name}[{i}]")
-        agree(state["state"]["steps"] == plain_opt.steps, f"steps {state['state']['steps']}")
+        state, reference = opt.state_dict(), plain_opt.state_dict()
+        agree(state["type"] == "AdamW" and state["hyperparameters"] == reference["hyperparameters"]
+              and [e["step"] for e in state["state"].values()] == plain_opt.steps,
+              f"{state['type']}, {state['hyperparameters']}")
+        for i, entry in state["state"].items():
+            agree(set(entry) == {"step", "exp_avg", "exp_avg_sq"}, f"keys {set(entry)}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_close(entry[key], reference["state"][i][key], rtol=1e-12, atol=1e-15,
+                             what=f"{key}[{i}]")
+        # Interchangeable with the plain optimizer's state, both ways.
+        AdamW([Parameter(p.data.copy()) for p in model.params]).load_state_dict(state)
         # A fresh optimizer with other buckets loads it and continues exactly like the original.
         saved = [p.data.copy() for p in model.params]
-        _, _, continued = train(True, dp, steps=3, model=model, opt=opt)
+        _, _, continued = train(True, dp, steps=3, model=model, opt=opt, start=4)
         after = [p.data.copy() for p in model.params]
         for p, s in zip(model.params, saved):
             p.data[...] = s
         fresh = ZeroRedundancyOptimizer(model.params, AdamW, lr=5.0, bucket_bytes=10**6)
         fresh.load_state_dict(state)
         agree(fresh.lr == 1e-2, f"lr {fresh.lr}")
-        _, _, reloaded = train(True, dp, steps=3, model=model, opt=fresh)
+        _, _, reloaded = train(True, dp, steps=3, model=model, opt=fresh, start=4)
         assert_close(reloaded, continued, rtol=0, atol=0, what="losses after reload")
         for p, a in zip(model.params, after):
             assert_close(p.data, a, rtol=0, atol=0, what=f"{p.name} after reload")
-        bad = dict(state, state={k: v[:1] for k, v in state["state"].items()})
-        raises_everywhere(ValueError, "entries for 4 parameters", fresh.load_state_dict, bad)
+        # The plain optimizer's state loads the same way.
+        for p, s in zip(model.params, saved):
+            p.data[...] = s
+        from_plain = ZeroRedundancyOptimizer(model.params, AdamW, lr=5.0)
+        from_plain.load_state_dict(reference)
+        _, _, reloaded = train(True, dp, steps=3, model=model, opt=from_plain, start=4)
+        assert_close(reloaded, continued, rtol=1e-12, atol=0, what="losses after plain reload")
+        bad = dict(state, state={0: state["state"][0]})
+        raises_everywhere(ValueError, "one per parameter position 0..3", fresh.load_state_dict,
+                          bad)
+        bad = dict(state, state={**state["state"], 1: dict(state["state"][1], exp_avg=np.zeros(3))})
+        raises_everywhere(ValueError, "'exp_avg'.*shape \\(3,\\), expected the parameter's",
+                          fresh.load_state_dict, bad)
+        raises_everywhere(ValueError, "state of a 'SGD' optimizer", fresh.load_state_dict,
+                          dict(state, type="SGD"))
     finally:
         manager.destroy_parallel()
 

@@ -74,14 +74,24 @@ def attempt(comm: MPI.Intracomm, func: Any, *args: Any) -> Any:
 
 
 def tensors_of(model: Any, optimizer: Any) -> tuple[list[Tensor], dict | None]:
-    """The logical tensors of a model (and optimizer), with this rank's shards."""
+    """The logical tensors of a model (and optimizer), with this rank's blocks.
+
+    The optimizer speaks the local state protocol of :mod:`pympar.optim`:
+    ``local_state_dict()`` (this rank's block of every state array, the live buffers) and
+    ``state_placements()`` (where each parameter's block sits). A plain optimizer's block is
+    the parameter's shard, :class:`~pympar.zero.ZeroRedundancyOptimizer`'s its share: one code
+    path, and sharded state is never gathered.
+    """
     out, by_id = [], {}
     for name, p in model.named_parameters():
         out.append(make(name, p.placement, p.data))
         by_id[id(p)] = name
     if optimizer is None:
         return out, None
-    state = optimizer.state_dict()
+    if not hasattr(optimizer, "local_state_dict") or not hasattr(optimizer, "state_placements"):
+        raise CheckpointError(f"a {type(optimizer).__name__} cannot be checkpointed: it has no "
+                              "local_state_dict() and state_placements()")
+    state, places = optimizer.local_state_dict(), optimizer.state_placements()
     steps = {}
     for i, p in enumerate(optimizer.params):
         name = by_id.get(id(p))
@@ -90,8 +100,13 @@ def tensors_of(model: Any, optimizer: Any) -> tuple[list[Tensor], dict | None]:
                                   "of the model")
         steps[name] = state["state"][i]["step"]
         for key, value in state["state"][i].items():
-            if key != "step":
-                out.append(make(f"optimizer/{name}/{key}", p.placement, value))
+            if key == "step":
+                continue
+            if tuple(value.shape) != places[i].local_shape:
+                raise CheckpointError(f"optimizer state {key!r} of {name!r} has shape "
+                                      f"{tuple(value.shape)}, its placement says "
+                                      f"{places[i].local_shape}")
+            out.append(make(f"optimizer/{name}/{key}", places[i], value))
     meta = {"type": state["type"], "hyperparameters": state["hyperparameters"], "steps": steps}
     return out, meta
 

@@ -45,9 +45,11 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     model : Module
         Each parameter is saved under its dotted name as the full serial-layout array, from
         every rank's block (``Parameter.placement``).
-    optimizer : Optimizer, optional
+    optimizer : Optimizer or ZeroRedundancyOptimizer, optional
         Its moments are saved as ``optimizer/<param name>/<key>`` tensors, its step counts and
-        hyperparameters in the manifest.
+        hyperparameters in the manifest. Each rank writes the block its
+        ``local_state_dict()`` holds at ``state_placements()``: a ZeRO optimizer's shares go
+        straight into the full files, never gathered, and read back as the plain optimizer's.
     step : int, optional
         Stored in the manifest; :func:`latest` orders checkpoints by it.
     extra : JSON-compatible, optional
@@ -251,8 +253,10 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     model : Module
         Receives every saved parameter of the same dotted name; full shapes and dtypes must
         match, layouts need not.
-    optimizer : Optimizer, optional
-        Receives the saved moments, step counts and hyperparameters (same optimizer type).
+    optimizer : Optimizer or ZeroRedundancyOptimizer, optional
+        Receives the saved moments, step counts and hyperparameters (same optimizer type;
+        ZeRO counts as the class it wraps), each rank reading only its block (its shard, or
+        its share under ZeRO) whatever the saving run's layout and sharding.
     comm : mpi4py communicator or Group, optional
         As for :func:`save`.
 
@@ -266,7 +270,8 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     ------
     CheckpointError
         On every rank, naming the tensor: a missing, truncated, corrupted (checksum) or
-        untrusted file, a tensor missing or fitting no parameter, an unknown format version.
+        untrusted file, a tensor missing or fitting no parameter, an unknown format version,
+        the state of another optimizer type.
         Nothing has been changed when it is raised before the data are read.
     """
     comm = default_comm(comm)
@@ -299,7 +304,9 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
 
     def check():
         manifest = parse_manifest(directory, text.tobytes())
-        tensors, meta = tensors_of(model, optimizer)
+        tensors, _ = tensors_of(model, optimizer)
+        # The optimizer first: another optimizer type is named as such, not as missing moments.
+        state = None if optimizer is None else _optimizer_state(manifest, model, optimizer)
         entries = manifest["tensors"]
         names = {t.name for t in tensors}
         for t in tensors:
@@ -315,23 +322,6 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
             if name not in names:
                 raise CheckpointError(f"tensor {name!r} of the checkpoint fits no parameter of "
                                       "the model")
-        if optimizer is not None:
-            saved = manifest.get("optimizer")
-            if not isinstance(saved, dict) or not isinstance(saved.get("steps"), dict):
-                raise CheckpointError("the checkpoint holds no optimizer state")
-            state = optimizer.state_dict()
-            by_name = {n: i for i, n in enumerate(optimizer_names(model, optimizer))}
-            if set(saved["steps"]) != set(by_name):
-                raise CheckpointError("the checkpoint's optimizer steps name other parameters")
-            for name, i in by_name.items():
-                state["state"][i]["step"] = saved["steps"][name]
-            state["type"], state["hyperparameters"] = saved.get("type"), saved.get("hyperparameters")
-            try:
-                optimizer.check_state_dict(state)
-            except (TypeError, ValueError) as err:
-                raise CheckpointError(f"optimizer state: {err}") from None
-        else:
-            state = None
         offsets = [check_header(entries[t.name], t.name) for t in tensors]
         return manifest, tensors, state, offsets
 
@@ -364,9 +354,36 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         for i, t in enumerate(tensors):
             with open_fd(entries[t.name]["path"]) as fd:
                 for g, lo in t.placement.pieces():
-                    read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored, buffer)
+                    read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored,
+                             buffer)
         if optimizer is not None:
-            optimizer.load_state_dict(state)
+            optimizer.load_local_state_dict(state)
 
     attempt(comm, place)
     return manifest.get("step"), manifest.get("extra")
+
+
+def _optimizer_state(manifest: dict, model: Any, optimizer: Any) -> dict:
+    """The optimizer's local state with the saved steps and hyperparameters, checked.
+
+    Its arrays are the live buffers, which the load then fills with the saved blocks.
+    """
+    saved = manifest.get("optimizer")
+    if not isinstance(saved, dict) or not isinstance(saved.get("steps"), dict):
+        raise CheckpointError("the checkpoint holds no optimizer state")
+    if saved.get("type") != optimizer.local_state_dict()["type"]:
+        raise CheckpointError(f"the checkpoint holds the state of a {saved.get('type')!r} "
+                              f"optimizer, not of the {optimizer.local_state_dict()['type']!r} "
+                              f"given ({type(optimizer).__name__})")
+    state = optimizer.local_state_dict()
+    by_name = {n: i for i, n in enumerate(optimizer_names(model, optimizer))}
+    if set(saved["steps"]) != set(by_name):
+        raise CheckpointError("the checkpoint's optimizer steps name other parameters")
+    for name, i in by_name.items():
+        state["state"][i]["step"] = saved["steps"][name]
+    state["type"], state["hyperparameters"] = saved["type"], saved.get("hyperparameters")
+    try:
+        optimizer.check_local_state_dict(state)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"optimizer state: {err}") from None
+    return state
