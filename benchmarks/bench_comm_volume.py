@@ -226,10 +226,13 @@ def group_kind(name: str) -> str:
 
 
 def by_kind(recorder: stats.Recorder) -> Counts:
-    """A recorder's rows summed per (group kind, operation), seconds dropped."""
+    """A recorder's rows summed per (group kind, operation), seconds dropped.
+
+    A layer's label is dropped: ``"Linear3D.forward:all_gather"`` counts as ``"all_gather"``.
+    """
     out: Counts = defaultdict(lambda: [0, 0, 0])
     for (group, op), (calls, b_in, b_out, _) in recorder.rows.items():
-        row = out[(group_kind(group), op)]
+        row = out[(group_kind(group), op.rpartition(":")[2])]
         row[0] += calls
         row[1] += b_in
         row[2] += b_out

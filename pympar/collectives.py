@@ -98,8 +98,10 @@ def label(name: str) -> Iterator[None]:
     Parameters
     ----------
     name : str
-        E.g. ``"Linear3D.backward"``. Part of the agreement check: ranks running the same
-        collective under different labels raise :class:`~pympar.debug.CollectiveMismatchError`.
+        E.g. ``"Linear3D.backward"``; statistics record each collective inside as
+        ``"Linear3D.backward:all_gather"`` and so on. Part of the agreement check: ranks
+        running the same collective under different labels raise
+        :class:`~pympar.debug.CollectiveMismatchError`.
         Mappings label their own collectives (``"gather_from_sequence.forward"``).
     """
     global _label
@@ -243,6 +245,9 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
         if plan.nbytes >= CHECK_BYTES and not checked and group.size > 1:
             _agree(group, plan, name or _label, x)
         return _move(group, plan, x, out)
+    # Statistics keep the collective's kind under a layer's label ("Linear3D.forward:all_gather"),
+    # so that bytes can still be told apart by kind; a mapping's label already says it.
+    op = name or (f"{_label}:{plan.key[0]}" if _label else plan.key[0])
     name = name or _label
     if group.size > 1:
         if debug.is_enabled():
@@ -253,7 +258,7 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
         return _move(group, plan, x, out)
     start = time.perf_counter()
     y = _move(group, plan, x, out)
-    stats.add(group.name, name or plan.key[0], x.nbytes, y.nbytes, time.perf_counter() - start)
+    stats.add(group.name, op, x.nbytes, y.nbytes, time.perf_counter() - start)
     return y
 
 
