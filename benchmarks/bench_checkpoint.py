@@ -102,7 +102,7 @@ def timed(comm: MPI.Comm, fn) -> float:
     return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
-def measure(comm: MPI.Comm, size: int, repeats: int, root: str) -> dict:
+def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None) -> dict:
     """All variants on the ranks of ``comm``; rates in GB/s."""
     ranks = comm.Get_size()
     cols = 4096
@@ -118,7 +118,7 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str) -> dict:
         return os.path.join(where, f"c{counter[0]}")
 
     saved = checkpoint.save(fresh(), model, opt, comm=comm)
-    torch_dcp = _torch(comm, model, opt, where)
+    torch_dcp = None if torch_group is None else _torch(comm, model, opt, where, torch_group)
 
     def sample_save() -> float:
         path = fresh()
@@ -161,18 +161,24 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str) -> dict:
             "largest_shard_bytes": shard, "buffer_bytes": checkpoint.BUFFER_BYTES}
 
 
-def _torch(comm: MPI.Comm, model: Module, opt: AdamW, where: str):
-    """Samplers for torch.distributed.checkpoint, or None without torch."""
+def torch_groups(sizes: list[int]) -> dict[int, object]:
+    """One gloo group per job size, made on every rank of the world (torch needs that)."""
     torch, reason = common.import_torch_distributed()
     if torch is None:
-        common.say(comm, f"torch DCP skipped: {reason}")
-        return None
+        common.say(WORLD, f"torch DCP skipped: {reason}")
+        return {}
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     if not dist.is_initialized():
         common.init_torch_gloo(WORLD)
-    group = dist.new_group(list(range(comm.Get_size())))  # collective on every rank of WORLD
+    return {n: dist.new_group(list(range(n))) for n in sizes}
+
+
+def _torch(comm: MPI.Comm, model: Module, opt: AdamW, where: str, group: object):
+    """Samplers for torch.distributed.checkpoint over ``group`` (the ranks of ``comm``)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     rank = comm.Get_rank()
     state = {}
     for i, p in enumerate(model.parameters()):
@@ -208,10 +214,12 @@ def main(argv=None) -> int:
                        if WORLD.rank == 0 else None)
     results = []
     try:
-        for ranks in sorted({1, 2, 4} & set(range(1, WORLD.size + 1))):
+        sizes = sorted({1, 2, 4} & set(range(1, WORLD.size + 1)))
+        groups = torch_groups(sizes)
+        for ranks in sizes:
             sub = WORLD.Split(0 if WORLD.rank < ranks else MPI.UNDEFINED, WORLD.rank)
             if sub != MPI.COMM_NULL:
-                results.append(measure(sub, size, repeats, root))
+                results.append(measure(sub, size, repeats, root, groups.get(ranks)))
                 sub.Free()
             common.sleep_barrier(WORLD)
     finally:

@@ -20,7 +20,8 @@ from mpi4py import MPI
 
 from .backend import array_module
 from .group import Group
-from .modules.core import Module, Parameter
+from .modules.core import Module
+from .modules.parameter import Parameter
 from .optim import AdamW
 from .zero import ZeroRedundancyOptimizer
 

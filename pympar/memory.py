@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .modules.core import Module, Parameter, as_parameter_list
+from .modules.core import Module, as_parameter_list
+from .modules.parameter import Parameter
 from .optim import Optimizer
 from .zero import ZeroRedundancyOptimizer, per_param_state
 

@@ -18,7 +18,8 @@ from collections import OrderedDict
 from typing import Any, Iterable, Union
 
 from pympar._optim_state import StateDictMixin
-from pympar.modules.core import Module, Parameter, as_parameter_list
+from pympar.modules.core import Module, as_parameter_list
+from pympar.modules.parameter import Parameter
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients"]
 

@@ -27,7 +27,8 @@ from typing import Any, Iterable
 
 from ._optim_state import ShardedStateMixin
 from .backend import accumulation_dtype, array_module
-from .modules.core import Module, Parameter, as_parameter_list
+from .modules.core import Module, as_parameter_list
+from .modules.parameter import Parameter
 from .optim import AdamW, Optimizer
 from .partition import Split, block_slice
 

@@ -1,6 +1,7 @@
 """Layers with hand-written backward, parameters and deterministic sharded initialization."""
 
-from .core import Module, Parameter, Sequential
+from .core import Module, Sequential
+from .parameter import Parameter
 from .init_methods import (
     InitMethod,
     get_init_method,

@@ -38,7 +38,8 @@ from ..group import Group
 from ..initializer_3d import ParallelMode
 from ..mappings import label
 from ..partition import Placement, Split
-from .core import Module, Parameter, check_array
+from .core import Module, check_array
+from .parameter import Parameter
 from .init_methods import InitMethod
 from .layout_tags import tag, tag_of
 from .normalization import layer_norm_backward, layer_norm_forward, local_row_sums

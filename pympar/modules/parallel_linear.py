@@ -19,7 +19,8 @@ from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
 from ..partition import Placement, Split
-from .core import Module, Parameter, check_array
+from .core import Module, check_array
+from .parameter import Parameter
 from .init_methods import InitMethod
 from .sharded_init import init_bias, init_shard
 
