@@ -77,15 +77,18 @@ class Plan:
     part for ``Bcast``. ``send``/``recv`` are the rank blocks to pack/unpack when they do not
     lie rank-major in memory, else None. ``work`` is the dtype on the wire (float32 for
     half-precision sums); ``chunk`` splits a single-buffer call whose count MPI-3 cannot
-    express. ``key`` is what every rank must pass alike; ``sig`` its checksum; ``nbytes``
-    the size of the global array, the same on every rank of a correct call.
+    express. ``key`` is what every rank must pass alike; ``sig`` its checksum, ``checks`` the
+    agreement check's 16 bytes per label (built once); ``nbytes`` the size of the global
+    array, the same on every rank of a correct call.
     """
 
     __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "op", "method", "send_spec",
-                 "recv_spec", "tail", "send", "recv", "chunk", "key", "sig", "nbytes", "shown")
+                 "recv_spec", "tail", "send", "recv", "chunk", "key", "sig", "nbytes", "shown",
+                 "checks")
 
     def __init__(self, **fields: Any) -> None:
         self.send = self.recv = self.chunk = None
+        self.checks: dict[str | None, bytes] = {}  # label -> the agreement check's bytes
         self.tail: tuple = ()
         for name, value in fields.items():
             setattr(self, name, value)

@@ -6,7 +6,7 @@
 2. **plan**: look up, or build once, the :class:`~pympar._plans.Plan` of (operation, shape,
    dtype, axis, sizes): output shape, MPI method, counts, rank blocks, signature;
 3. **agree** (:func:`_run`): the ranks check that they make the same call -- cheaply by
-   default, fully in debug mode;
+   default (started here, finished just before step 5), fully in debug mode;
 4. **pack** the input into the buffer MPI reads (itself when it is C-contiguous);
 5. **call MPI** through :func:`_mpi` (blocking, or non-blocking polled under a timeout);
 6. **unpack** into the result (``out``, or a new C-contiguous array).
@@ -23,10 +23,12 @@ Notes
 * Agreement, always on: a call moving at least :data:`CHECK_BYTES` bytes (of the global
   array), every call under a timeout, and every gather without ``sizes=`` first checks
   that all ranks pass the same operation, dtype, extents (those not gathered), axis,
-  sizes, root, op and mapping label: one 16-byte Allreduce (folded into the size
-  exchange where there is one). A mismatch raises the same
-  :class:`~pympar.debug.CollectiveMismatchError` on every rank. ``PYMPAR_DEBUG=1``
-  compares every call, whatever its size, and names what each rank passed.
+  sizes, root, op and mapping label: one 16-byte Iallreduce, started before packing and
+  finished before the data call (folded into the size exchange where there is one). A
+  rank that refuses its ``out=`` joins the check with a signature that cannot match. A
+  mismatch raises the same :class:`~pympar.debug.CollectiveMismatchError` on every rank.
+  ``PYMPAR_DEBUG=1`` compares every call, whatever its size, and names what each rank
+  passed.
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
   units of a contiguous derived datatype (gathers, all-to-all) or in chunks
   (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
@@ -66,7 +68,11 @@ INT_MAX = 2**31 - 1
 
 #: Calls whose global array has at least this many bytes are checked for agreement by
 #: default (``PYMPAR_CHECK_BYTES``, read at import; every call is checked under
-#: ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG``).
+#: ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG``). The check is one MPI round trip: a 16-byte
+#: Iallreduce + Wait took 2.9 us on 2 ranks (MPICH 5.0.2, 2-core VM), a median 4 us per call
+#: in ``benchmarks/bench_mappings.py`` at 1 MiB (1.5-5% of those collectives). Checking
+#: every size would add those ~3 us to 1 KiB calls too, hence a threshold; 64 KiB keeps the
+#: check on for all but small messages.
 CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -213,17 +219,40 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> None:
-    """One 16-byte Allreduce: do all ranks pass the same key (and label)?"""
-    s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
-    seen = _SEEN
-    seen[0], seen[1] = s, -s
-    _mpi(group, "Allreduce", (_IN_PLACE, [seen, MPI.INT64_T], MPI.MAX), plan.shown)
-    if seen[0] != s or seen[1] != -s:  # max == min == s on every rank, or a mismatch
+def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Request:
+    """Start the agreement check: one 16-byte Iallreduce (MAX) of ``[s, -s]``.
+
+    ``s`` is the plan's signature with the label's folded in, built once per (plan,
+    label). Equal on every rank exactly when ``max == -min``, that is when every rank
+    sent the same ``s``. Started before packing and waited for just before the data
+    call (:func:`_settle`), so its latency overlaps the local work.
+    """
+    mine = plan.checks.get(name)
+    if mine is None:
+        s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
+        mine = plan.checks[name] = np.array([s, -s], np.int64).tobytes()
+    return group.comm.Iallreduce([mine, MPI.INT64_T], [_SEEN, MPI.INT64_T], MPI.MAX)
+
+
+def _settle(group: pympar.group.Group, plan: Plan, request: MPI.Request, name: str | None,
+            x: Any) -> None:
+    """Finish the check started by :func:`_post`; raise on every rank when ranks differ."""
+    timeout = debug.get_timeout() if _hooked else None
+    if timeout is None:
+        request.Wait()
+    else:
+        debug.wait(request, plan.shown, group, timeout, time.monotonic())
+    if _SEEN != plan.checks[name]:
         _mismatch(group, plan.key, name, plan.shown, x)
 
 
-_SEEN = np.empty(2, np.int64)
+def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> None:
+    """The whole agreement check at once (see :func:`_post`)."""
+    _settle(group, plan, _post(group, plan, name), name, x)
+
+
+#: The check's receive buffer (one check is in flight at a time).
+_SEEN = bytearray(16)
 _LABELS: dict[str, int] = {}
 
 
@@ -238,44 +267,80 @@ def _mismatch(group: pympar.group.Group, key: tuple, name: str | None, shown: st
     raise debug.CollectiveMismatchError(f"ranks of group {group.name!r} disagree on {shown}")
 
 
+def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
+    """The C-contiguous array MPI (or the unpacking) writes: None for a new result, ``out``
+    itself, or scratch for a non-contiguous ``out``; raises for an ``out`` that does not fit."""
+    if out is None:
+        return None
+    if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
+        return out if out.flags.c_contiguous else scratch(group, "dest", out.shape, x.dtype, x)
+    raise (TypeError if type(out) is not type(x) else ValueError)(
+        f"{plan.shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} "
+        f"and dtype {getattr(out, 'dtype', '?')}, expected a {type(x).__name__} of shape "
+        f"{plan.out_shape} and dtype {x.dtype}")
+
+
+def _checked_dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
+                  full: bool) -> Any:
+    """:func:`_dest`, where a refused ``out`` makes every rank raise, not just this one.
+
+    The refusing rank joins the check (``full``: debug mode's exchange) with a signature
+    that cannot match, so that the other ranks raise instead of waiting in the data call.
+    """
+    try:
+        return _dest(group, plan, x, out)
+    except (TypeError, ValueError):
+        shown = (f"{plan.shown} with out of shape {getattr(out, 'shape', '?')} and dtype "
+                 f"{getattr(out, 'dtype', '?')} (does not fit)")
+        bad = Plan(key=plan.key + ("out does not fit",), shown=shown, sig=0)
+        if full:
+            debug.verify(group, (bad.key, name), debug.describe(shown, name), None, x)
+        else:
+            _agree(group, bad, name, x)
+        raise
+
+
 def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
          checked: bool = False) -> Any:
     """Agree, then move: the common tail of every collective."""
+    if plan.swap:
+        x = x.astype(x.dtype.newbyteorder("="))
     if not _hooked:
-        if plan.nbytes >= CHECK_BYTES and not checked and group.size > 1:
-            _agree(group, plan, name or _label, x)
-        return _move(group, plan, x, out)
+        if checked or plan.nbytes < CHECK_BYTES or group.size == 1:
+            return _move(group, plan, x, _dest(group, plan, x, out), out, None, None)
+        name = name or _label
+        dest = _checked_dest(group, plan, x, out, name, False)
+        return _move(group, plan, x, dest, out, _post(group, plan, name), name)
     # Statistics keep the collective's kind under a layer's label ("Linear3D.forward:all_gather"),
     # so that bytes can still be told apart by kind; a mapping's label already says it.
     op = name or (f"{_label}:{plan.key[0]}" if _label else plan.key[0])
     name = name or _label
-    if group.size > 1:
-        if debug.is_enabled():
-            debug.verify(group, (plan.key, name), debug.describe(plan.shown, name), out, x)
-        elif not checked:
-            _agree(group, plan, name, x)
+    check = None
+    if group.size == 1:
+        dest = _dest(group, plan, x, out)
+    elif debug.is_enabled():
+        dest = _checked_dest(group, plan, x, out, name, True)
+        debug.verify(group, (plan.key, name), debug.describe(plan.shown, name), out, x)
+    else:
+        if checked:
+            dest = _dest(group, plan, x, out)
+        else:
+            dest = _checked_dest(group, plan, x, out, name, False)
+            check = _post(group, plan, name)
     if not stats.is_recording():
-        return _move(group, plan, x, out)
+        return _move(group, plan, x, dest, out, check, name)
     start = time.perf_counter()
-    y = _move(group, plan, x, out)
+    y = _move(group, plan, x, dest, out, check, name)
     stats.add(group.name, op, x.nbytes, y.nbytes, time.perf_counter() - start)
     return y
 
 
-def _move(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
-    """Pack, call MPI, unpack."""
-    if plan.swap:
-        x = x.astype(x.dtype.newbyteorder("="))
-    shape, numpy = plan.out_shape, type(x) is np.ndarray
-    if out is None:
-        dest = (np.empty if numpy else backend.array_module(x).empty)(shape, x.dtype)
-    elif type(out) is type(x) and out.shape == shape and out.dtype == x.dtype:
-        dest = out if out.flags.c_contiguous else scratch(group, "dest", shape, x.dtype, x)
-    else:
-        raise (TypeError if type(out) is not type(x) else ValueError)(
-            f"{plan.shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} "
-            f"and dtype {getattr(out, 'dtype', '?')}, expected a {type(x).__name__} of shape "
-            f"{shape} and dtype {x.dtype}")
+def _move(group: pympar.group.Group, plan: Plan, x: Any, dest: Any, out: Any,
+          check: MPI.Request | None, name: str | None) -> Any:
+    """Pack, settle the agreement check (when one was started), call MPI, unpack."""
+    numpy = type(x) is np.ndarray
+    if dest is None:
+        dest = (np.empty if numpy else backend.array_module(x).empty)(plan.out_shape, x.dtype)
     if group.size == 1:
         dest[...] = x
     else:
@@ -297,10 +362,12 @@ def _move(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
         if rb is not None:
             recv = scratch(group, "recv", rb.scratch_shape, plan.work, x)
         elif plan.cast:
-            recv = scratch(group, "acc", shape, plan.work, x)
+            recv = scratch(group, "acc", plan.out_shape, plan.work, x)
         else:
             recv = dest
         wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
+        if check is not None:  # never start the data call before the check has passed
+            _settle(group, plan, check, name, x)
         if plan.chunk is None:
             _mpi(group, method, _args(plan, wsend, wrecv), plan.shown)
         else:  # MPI-3 and a count above INT_MAX: a few calls on consecutive slices

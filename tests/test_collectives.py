@@ -342,6 +342,31 @@ def test_argument_errors_raise_on_every_rank(group):
                           ragged.T.copy(), 0, 1)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_out_refused_on_one_rank_raises_on_every_rank(group):
+    """A checked call whose out= one rank refuses: every rank raises, none waits in MPI."""
+    if group.size < 2:
+        pytest.skip("needs a group of at least 2 ranks")
+    p, r = group.size, group.rank
+    n = -(-collectives.CHECK_BYTES // (8 * p)) + 1  # the global array >= CHECK_BYTES
+    x = np.ones((p, n))
+    wrong = r == p - 1
+    mine = len(np.array_split(np.empty(n), p)[r])
+    calls = {"all_reduce": (lambda out: group.all_reduce(x, out=out), (p, n)),
+             "reduce_scatter": (lambda out: group.reduce_scatter(x, 1, out=out), (p, mine)),
+             "all_gather": (lambda out: group.all_gather(x, 0, out=out, sizes=(p,) * p),
+                            (p * p, n)),
+             "all_to_all": (lambda out: group.all_to_all(x, 1, 0, out=out, sizes=(p,) * p),
+                            (p * p, mine)),
+             "broadcast": (lambda out: group.broadcast(x, out=out), (p, n))}
+    for name, (call, shape) in calls.items():
+        out = np.empty((shape[0] + wrong,) + shape[1:])
+        raises_everywhere(CollectiveMismatchError, f"{name}.*does not fit", call, out)
+    # The same mistake on every rank is every rank's own error; the group stays usable.
+    raises_everywhere(ValueError, "out is a ndarray", group.all_reduce, x, out=np.empty(3))
+    agree(np.array_equal(group.all_reduce(x), np.full_like(x, p)), "sum after the errors")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_dtypes_mpi_cannot_reduce_or_move_are_refused(group):
     c = np.ones(4, np.complex128)
