@@ -73,7 +73,7 @@ def _without_launcher_environment() -> dict[str, str]:
 
 
 def test_grid_labels_come_from_group_ranks():
-    """The DP x CP x TP picture shows DESIGN.md's worked example (8 ranks, tp=cp=dp=2)."""
+    """The DP x CP x TP picture shows the concepts page's worked example (8 ranks, tp=cp=dp=2)."""
     layout = _draw_layouts().grid_layout(2, 2, 2, "tp-cp-dp")
     assert layout["groups"] == {
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
@@ -100,7 +100,7 @@ def test_grid_follows_the_order_string():
 
 
 def test_cube_labels_come_from_group_ranks():
-    """The 3D picture shows DESIGN.md's d=2 groups (each listed once, in any order)."""
+    """The 3D picture shows the d=2 groups of ARCHITECTURE.md's 3D convention (each listed once, in any order)."""
     layout = _draw_layouts().cube_layout(2)
     expected = {
         "3d_input": [[0, 2], [4, 6], [1, 3], [5, 7]],
