@@ -277,7 +277,7 @@ def test_report_judges_every_target_of_the_new_jobs(tmp_path):
     expected = [
         "target ZeRO step <= 1.1 x unsharded step at DP=2: 1.050, met",
         "target bf16 validation error <= 1.5 x fp32's: 1.800, missed",
-        "target peak activations with recompute >= 2.0x lower: 3.00x lower, met",
+        "target peak activations with recompute >= 2.0x lower: 3.000x lower, met",
         "recompute step time / fp32 step time: 1.300",
         "target zig-zag spread <= 10 % (contiguous: 150.0 %): 4.0 %, met",
         "measured == formula on every rank, both schemes: yes",
