@@ -1,4 +1,5 @@
-"""The benchmarks' own logic: volume formulas equal what pympar.stats measures, driver, report.
+"""The benchmarks' own logic: volume formulas equal what pympar.stats measures, driver, report
+(every section, target verdict and plot, from small synthetic JSON).
 
 No timing is asserted here (speed belongs to the benchmarks) and torch is not needed.
 """
@@ -181,3 +182,170 @@ def test_torch_is_optional():
     if torch is None:
         assert "torch" in reason
     assert common.median([3.0, 1.0, 2.0]) == 2.0 and np.isnan(common.median([]))
+
+
+# --------------------------------------------------------------------------- report: new jobs
+
+
+def _memory_sample(zero_ratio: float, bf16_error: float, recompute_lower: float) -> dict:
+    """A ``memory.json`` as bench_memory.py writes it (one shape, Burgers runs)."""
+    n, d = 1000, 2
+    formula = {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n / d,
+               "activations": 4 * 13 * 64 * 8}
+    measured = dict(formula, optimizer=formula["optimizer"] + 16)
+    kinds = {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n,
+             "activations": 2 ** 20, "peak_rss": 2 ** 27}
+    layout = {"dp": 2, "cp": 1, "tp": 1, "mode": "1d"}
+    burgers = [{"config": "fp32", "flags": [], "layout": layout, "val_rel_l2": 0.01,
+                "step_ms": 10.0, "measured": kinds, "formula": dict(kinds)},
+               {"config": "recompute", "flags": ["--recompute"], "layout": layout,
+                "val_rel_l2": 0.01, "step_ms": 13.0, "formula": dict(kinds),
+                "measured": dict(kinds, activations=2 ** 20 / recompute_lower)},
+               {"config": "bf16", "flags": ["--precision", "bf16"], "layout": layout,
+                "val_rel_l2": 0.01 * bf16_error, "step_ms": 9.0, "measured": kinds,
+                "formula": dict(kinds)}]
+    return {"benchmark": "memory", "repeats": 3, "warmup": 1, "torch_skipped": "no torch",
+            "burgers_steps": 20, "burgers": burgers, "rows": [{
+                "hidden": 8, "tokens": 64, "ranks": d, "torch_optimizer_bytes": {},
+                "memory": [{"config": "ZeRO", "params": n, "ranks": d, "measured": measured,
+                            "formula": formula}],
+                "step_ms": {"pympar allreduce + AdamW": 10.0, "pympar ZeRO": 10.0 * zero_ratio},
+                "ratio_zero_over_allreduce": zero_ratio}]}
+
+
+def _attention_sample(spread: float | None) -> dict:
+    """An ``attention.json`` as bench_attention.py writes it; no zig-zag part when None."""
+    per_rank = [{"rank": r, "measured": {"ring": 3000 + r, "ulysses": 2000},
+                 "formula": {"ring": 3000 + r, "ulysses": 2000}} for r in range(2)]
+    data = {"benchmark": "attention",
+            "args": {"seq": 256, "batch": 1, "hidden": 16, "heads": 2, "repeats": 3},
+            "bytes": {"cp": 2, "per_rank": per_rank, "equal": True},
+            "time": {"cp": 2, "median_ms": {"ring": 6.0, "ulysses": 4.0}},
+            "memory": {"cp": 2, "peak_bytes_max_over_ranks": {
+                "ring S=256": 2 ** 20, "ulysses S=256": 2 ** 21,
+                "ring S=1024": 2 ** 22, "ulysses S=1024": 2 ** 25}},
+            "zigzag": None}
+    if spread is not None:
+        data["zigzag"] = {"cp": 4,
+                          "contiguous": {"compute_ms": [1.0, 3.0, 5.0, 7.0], "spread": 1.5},
+                          "zigzag": {"compute_ms": [4.0, 4.0, 4.0, 4.0], "spread": spread}}
+    return data
+
+
+def _checkpoint_sample(ranks: list[int], dcp: bool) -> dict:
+    """A ``checkpoint.json`` as bench_checkpoint.py writes it: save at 0.9 x the disk,
+    1.2 x DCP, a load under another layout 1.6 x slower than under the saved one."""
+    results, ratios = [], []
+    for n in ranks:
+        gbps = {"disk write": 1.0 * n, "disk read": 4.0, "pympar save": 0.9 * n,
+                "pympar load same layout": 3.2, "pympar load other layout": 2.0}
+        if dcp:
+            gbps.update({"torch DCP save": 0.75 * n, "torch DCP load": 1.6})
+        results.append({"ranks": n, "state_bytes": 48 * 2 ** 20, "gbps": gbps,
+                        "peak_extra_bytes": {"save": 2 ** 20, "load": 3 * 2 ** 20}})
+        row = {"ranks": n, "save_vs_disk_write": gbps["pympar save"] / gbps["disk write"],
+               "load_other_vs_same": 3.2 / 2.0}
+        if dcp:
+            row.update(save_vs_torch_dcp=gbps["pympar save"] / gbps["torch DCP save"],
+                       load_vs_torch_dcp=3.2 / 1.6)
+        ratios.append(row)
+    return {"benchmark": "checkpoint", "repeats": 2, "results": results, "ratios": ratios}
+
+
+def _mlp_sample(full: float, no_dx: float) -> dict:
+    ms = {"pympar serial 1 thread": 200.0, "pympar TP=2": 110.0, "pympar TP=2 no dx": 90.0,
+          "torch DTensor TP=2": 110.0 / full, "torch DTensor TP=2 no dx": 90.0 / no_dx}
+    return {"repeats": 3, "warmup": 1, "rows": [{
+        "hidden": 128, "tokens": 2048, "step_ms": ms, "max_rel_error": {},
+        "efficiency_pympar": 200 / 220, "ratio_pympar_tp_over_torch_tp": full,
+        "ratio_pympar_nodx_over_torch_nodx": no_dx}]}
+
+
+def _write(folder: Path, documents: dict) -> str:
+    for name, data in documents.items():
+        (folder / name).write_text(json.dumps(data))
+    report.write_report(folder, plots=False)
+    return (folder / "results.md").read_text()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_report_judges_every_target_of_the_new_jobs(tmp_path):
+    text = _write(tmp_path, {"memory.json": _memory_sample(1.05, 1.8, 3.0),
+                             "attention.json": _attention_sample(0.04),
+                             "checkpoint.json": _checkpoint_sample([1, 2, 4], dcp=True),
+                             "mlp.json": _mlp_sample(0.95, 0.85)})
+    expected = [
+        "target ZeRO step <= 1.1 x unsharded step at DP=2: 1.050, met",
+        "target bf16 validation error <= 1.5 x fp32's: 1.800, missed",
+        "target peak activations with recompute >= 2.0x lower: 3.000x lower, met",
+        "recompute step time / fp32 step time: 1.300",
+        "target zig-zag spread <= 10 % (contiguous: 150.0 %): 4.0 %, met",
+        "measured == formula on every rank, both schemes: yes",
+        "ring / Ulysses 1.500",
+        "| ring | 1 MiB | 4 MiB | 4.00x for 4x S |",
+        "| ulysses | 2 MiB | 32 MiB | 16.00x for 4x S |",
+        "input gradient skipped, H=128, T=2048: 0.850, met",
+        "full step (input gradient computed), H=128, T=2048: 0.950, missed",
+        "| pympar TP=2 no dx | 90.0 |",
+    ]
+    for n in (1, 2, 4):
+        expected += [f"- {n} rank(s): target save >= 0.8 x disk write: 0.90, met",
+                     f"- {n} rank(s): target save >= 1.5 x torch DCP save: 1.20, missed",
+                     f"- {n} rank(s): load / torch DCP load (GB/s): 2.00",
+                     f"- {n} rank(s): target load under another layout <= 1.5 x the time "
+                     "under the saved layout: 1.60, missed"]
+    missing = [line for line in expected if line not in text]
+    assert not missing, f"{missing}\n---\n{text}"
+    # Measured vs formula per memory kind: the optimizer count is 16 bytes over its formula.
+    assert "| ZeRO | 1,000 | 0.00 / 0.00 | 0.00 / 0.00 | 0.00 / 0.00 | 0.03 / 0.03 | " \
+           "off by +16 B |" in text
+    assert "| pympar save | 0.90 | 1.80 | 3.60 |" in text
+    assert "| torch DCP save | 0.75 | 1.50 | 3.00 |" in text
+
+
+@pytest.mark.mpi(min_size=1)
+def test_report_skips_missing_jobs_and_parts(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    text = _write(empty, {})
+    assert text.startswith("# pympar benchmark results") and "## " not in text.replace(
+        "## Machine and run", "")
+    text = _write(tmp_path, {"attention.json": _attention_sample(None),
+                             "checkpoint.json": _checkpoint_sample([1], dcp=False),
+                             "memory.json": dict(_memory_sample(0.9, 1.0, 2.0), burgers=[])})
+    assert "zig-zag spread: not measured (needs 4 ranks)" in text
+    assert "torch DCP: not measured (torch not installed)" in text
+    assert "target ZeRO step <= 1.1 x unsharded step at DP=2: 0.900, met" in text
+    assert "DCP save" not in text and "Burgers" not in text and "Tensor-parallel MLP" not in text
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(WORLD.size > 1, reason="draws the plots once, in the single-rank run")
+def test_new_plots_are_labelled(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    figures = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        figures[Path(path).name] = fig
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    for name, data in {"attention.json": _attention_sample(0.04),
+                       "checkpoint.json": _checkpoint_sample([1, 2, 4], dcp=True)}.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    written = report.write_report(tmp_path)
+    assert {p.name for p in written} == {"results.md", "attention_memory.png", "checkpoint.png"}
+    assert "![checkpoint](checkpoint.png)" in (tmp_path / "results.md").read_text()
+    memory = figures["attention_memory.png"].axes[0]
+    assert "sequence length" in memory.get_xlabel() and "MiB" in memory.get_ylabel()
+    # ring and Ulysses, each with its linear-growth guide
+    assert len(memory.get_lines()) == 4 and memory.get_legend() is not None
+    saved = figures["checkpoint.png"]
+    ax = saved.axes[0]
+    assert ax.get_xlabel() == "ranks" and "GB/s" in ax.get_ylabel()
+    assert len(ax.get_lines()) == 7 and ax.get_legend() is None and saved.legends, \
+        "checkpoint.png: the legend sits beside the plot, not on the data"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
