@@ -262,7 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for JSON, plots and results.md (default: ./bench-results)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
-                             "comm_volume_27); repeatable")
+                             "comm_volume_27, memory, attention, checkpoint); repeatable")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME",
                         help="skip this job; repeatable")
     parser.add_argument("--mpiexec", default=None, help="launcher (default: as scripts/mpirun.sh)")

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .backend import array_module
+from .modules.core import _copy_into
 
 __all__ = ["StateDictMixin", "ShardedStateMixin"]
 
@@ -84,8 +85,6 @@ class StateDictMixin:
         checked = self.check_state_dict(state_dict)
         state = state_dict["state"]
         # Everything checked: now change the optimizer.
-        from pympar.modules.core import _copy_into
-
         for name, value in checked.items():
             setattr(self, name, value)
         for i in range(len(self.params)):

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import numpy as np
 from mpi4py import MPI
 
+from . import manager
 from .backend import array_module
 from .group import Group
 from .modules.core import Module
@@ -56,12 +57,6 @@ def master_weights_optimizer(params: Module | Iterable[Parameter], optimizer_cla
         Over this rank alone (:func:`self_group`): the whole parameter is its share.
     """
     return ZeroRedundancyOptimizer(params, optimizer_class, group=self_group(), **kw)
-
-
-def _world_comm() -> MPI.Intracomm:
-    from . import manager
-
-    return manager.get_parallel_state().mesh.comm if manager.is_initialized() else MPI.COMM_WORLD
 
 
 class GradScaler:
@@ -110,7 +105,7 @@ class GradScaler:
         self.growth_interval = int(growth_interval)
         self._growth_tracker = 0
         self.found_inf: bool | None = None
-        self._comm = _world_comm() if comm is None else comm
+        self._comm = manager.parallel_comm() if comm is None else comm
         self._flag = np.zeros(1, dtype=np.int32)
 
     def get_scale(self) -> float:

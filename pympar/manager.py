@@ -189,6 +189,14 @@ def is_initialized() -> bool:
     return _state is not None
 
 
+def parallel_comm() -> MPI.Intracomm:
+    """The communicator of the current parallel state, or ``MPI.COMM_WORLD`` before one exists.
+
+    What every rank of the job agrees over: found-inf flags, checkpoints, preemption.
+    """
+    return _state.mesh.comm if _state is not None else MPI.COMM_WORLD
+
+
 def get_parallel_state() -> ParallelState:
     """Return the current parallel state.
 

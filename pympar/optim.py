@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, Union
 
 from pympar._optim_state import StateDictMixin
+from pympar.backend import array_module
 from pympar.modules.core import Module, as_parameter_list
 from pympar.modules.parameter import Parameter
 
@@ -69,14 +70,10 @@ class Optimizer(StateDictMixin):
 
 
 def _key(a: Any) -> tuple:
-    from pympar.backend import array_module
-
     return array_module(a), a.dtype
 
 
 def _zeros_like(a: Any) -> Any:
-    from pympar.backend import array_module
-
     return array_module(a).zeros_like(a)
 
 
@@ -129,8 +126,6 @@ class SGD(Optimizer):
 
     def step(self) -> None:
         """Apply one SGD update."""
-        from pympar.backend import array_module
-
         for i, p in enumerate(self.params):
             if p.grad is None or not p.requires_grad:
                 continue
@@ -208,8 +203,6 @@ class Adam(Optimizer):
 
     def step(self) -> None:
         """Apply one Adam (or AdamW) update."""
-        from pympar.backend import array_module
-
         b1, b2 = self.betas
         for i, p in enumerate(self.params):
             if p.grad is None or not p.requires_grad:
@@ -366,8 +359,6 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
 
 
 def _pack(flat: Any, params: list[Parameter]) -> None:
-    from pympar.backend import array_module
-
     xp = array_module(flat)
     if all(p.grad is not None for p in params):
         # One call fills the bucket without per-parameter Python slicing.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from . import manager
 from ._optim_state import ShardedStateMixin
 from .backend import accumulation_dtype, array_module
 from .modules.core import Module, as_parameter_list
@@ -43,8 +44,6 @@ def default_group() -> Any:
     RuntimeError
         Before :func:`pympar.manager.initialize_parallel`.
     """
-    from . import manager
-
     if manager.get_context_parallel_world_size() > 1:
         return manager.get_data_context_parallel_group()
     return manager.get_data_parallel_group()

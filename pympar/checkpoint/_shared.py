@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import manager
 from ..partition import Placement
 from .files import replica_share
 from .format import CheckpointError, stored_dtype
@@ -34,9 +35,7 @@ class Tensor:
 def default_comm(comm: Any) -> MPI.Intracomm:
     if comm is not None:
         return getattr(comm, "comm", comm)
-    from .. import manager
-
-    return manager.get_parallel_state().mesh.comm if manager.is_initialized() else MPI.COMM_WORLD
+    return manager.parallel_comm()
 
 
 def agree(comm: MPI.Intracomm, error: str | None) -> None:
