@@ -7,10 +7,13 @@ batched matmul over ``(B, heads)``.
 
 Positions are described by *segments*: a rank's local rows are the concatenation of global
 ranges ``(start, stop)`` of the sequence, in order (one range for a contiguous block, two for
-the zig-zag order). Masks are decided per pair of segments: a pair that the mask hides
-entirely is skipped (this is where zig-zag order saves causal work), a pair that it hides
-partly gets an element mask, and the rest are computed unmasked. Queries are taken
-:data:`TILE_ROWS` at a time, so score memory is linear in the block length.
+the zig-zag order). Queries are taken :data:`TILE_ROWS` rows of one segment at a time, so
+score memory is linear in the block length. Masks are decided per pair of a query tile and a
+key segment: the keys that the mask hides from the whole tile are not computed (a pair hidden
+entirely is skipped; this is where zig-zag order saves causal work), and only the keys that it
+hides from part of the tile (under a causal mask, the tile's diagonal square) get an element
+mask. So the work of a rank depends on its segments' lengths only, not on how they are
+ordered or whether two of them adjoin.
 
 Masks: ``causal`` hides keys after the query; ``key_lengths[b]`` hides keys at positions
 ``>= key_lengths[b]`` of batch element ``b`` (padding). Every query keeps at least key 0
@@ -114,9 +117,16 @@ def key_mask(xp: Any, q_pos: Any, k_pos: Any, causal: bool, lens: Any) -> Any:
 
 
 def _pairs(q_segs: Segments, k_segs: Segments, causal: bool, lens: Any):
-    """Yield ``(q_rows, k_rows, masked, q_range, k_range)`` for every pair of a query tile
+    """Yield ``(q_rows, k_rows, q_range, k_range, mask_from)`` for every pair of a query tile
     (at most :data:`TILE_ROWS` rows of one segment) and a key segment that the mask does not
-    hide entirely; ``masked`` says whether it hides part of the pair."""
+    hide entirely.
+
+    The key range is the segment cut down to the keys some query of the tile sees (causal: up
+    to the tile's last query; padding: below the longest length), so no fully hidden column is
+    computed, whatever the segments' lengths or order. Keys before ``mask_from`` are visible to
+    every query of the tile and need no element mask; under a causal mask the masked part is
+    the tile's own diagonal square, the same on every rank.
+    """
     kmax = int(lens.max()) if lens is not None else None
     kmin = int(lens.min()) if lens is not None else None
     q0 = 0
@@ -125,22 +135,25 @@ def _pairs(q_segs: Segments, k_segs: Segments, causal: bool, lens: Any):
             qb = min(qa + TILE_ROWS, seg_b)
             k0 = 0
             for ka, kb in k_segs:
-                hidden = kb == ka or (causal and ka > qb - 1) or (kmax is not None and ka >= kmax)
-                if not hidden:
-                    masked = (causal and kb - 1 > qa) or (kmin is not None and kb > kmin)
-                    yield (slice(q0 + qa - seg_a, q0 + qb - seg_a), slice(k0, k0 + kb - ka),
-                           masked, (qa, qb), (ka, kb))
+                hi, free = kb, kb  # keys [ka, hi) computed, [ka, free) unmasked
+                if causal:
+                    hi, free = min(hi, qb), min(free, qa)
+                if lens is not None:
+                    hi, free = min(hi, kmax), min(free, kmin)
+                if hi > ka:
+                    yield (slice(q0 + qa - seg_a, q0 + qb - seg_a), slice(k0, k0 + hi - ka),
+                           (qa, qb), (ka, hi), max(free, ka))
                 k0 += kb - ka
         q0 += seg_b - seg_a
 
 
-def _scores(xp: Any, qh: Any, kh: Any, qr: slice, kr: slice, scale: float, masked: bool,
-            qseg: tuple, kseg: tuple, causal: bool, lens: Any) -> Any:
+def _scores(xp: Any, qh: Any, kh: Any, qr: slice, kr: slice, scale: float, qseg: tuple,
+            kseg: tuple, mask_from: int, causal: bool, lens: Any) -> Any:
     s = xp.matmul(qh[:, :, qr], kh[:, :, kr].swapaxes(-1, -2))
     s *= scale
-    if masked:
-        allowed = key_mask(xp, numpy.arange(*qseg), numpy.arange(*kseg), causal, lens)
-        xp.copyto(s, -numpy.inf, where=~allowed)
+    if mask_from < kseg[1]:
+        allowed = key_mask(xp, numpy.arange(*qseg), numpy.arange(mask_from, kseg[1]), causal, lens)
+        xp.copyto(s[..., mask_from - kseg[0]:], -numpy.inf, where=~allowed)
     return s
 
 
@@ -173,8 +186,8 @@ def attend_block(state: OnlineSoftmax, qh: Any, kh: Any, vh: Any, q_segs: Segmen
                  k_segs: Segments, causal: bool, lens: Any) -> None:
     """Fold one key/value block into ``state`` (log-sum-exp rescaling of earlier blocks)."""
     xp = array_module(qh)
-    for qr, kr, masked, qseg, kseg in _pairs(q_segs, k_segs, causal, lens):
-        s = _scores(xp, qh, kh, qr, kr, state.scale, masked, qseg, kseg, causal, lens)
+    for qr, kr, qseg, kseg, mask_from in _pairs(q_segs, k_segs, causal, lens):
+        s = _scores(xp, qh, kh, qr, kr, state.scale, qseg, kseg, mask_from, causal, lens)
         m_old = state.m[:, :, qr]
         m_new = xp.maximum(m_old, s.max(axis=-1))
         # A row that has seen only hidden keys so far keeps m = -inf; shift it by 0
@@ -202,8 +215,8 @@ def attend_block_backward(qh: Any, kh: Any, vh: Any, dout: Any, lse: Any, delta:
     """
     xp = array_module(qh)
     scale = 1.0 / math.sqrt(qh.shape[-1]) if qh.shape[-1] else 1.0
-    for qr, kr, masked, qseg, kseg in _pairs(q_segs, k_segs, causal, lens):
-        p = _scores(xp, qh, kh, qr, kr, scale, masked, qseg, kseg, causal, lens)
+    for qr, kr, qseg, kseg, mask_from in _pairs(q_segs, k_segs, causal, lens):
+        p = _scores(xp, qh, kh, qr, kr, scale, qseg, kseg, mask_from, causal, lens)
         p -= lse[:, :, qr, None]
         xp.exp(p, out=p)
         do = dout[:, :, qr]

@@ -67,16 +67,6 @@ def _rows(segments: list, ring: Group | None) -> int:
     return sum(b - a for a, b in segments[0 if ring is None else ring.rank])
 
 
-def _merged(segments: list) -> list:
-    out: list = []
-    for a, b in segments:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
 class ContextAttention(Module):
     """Context-parallel multi-head self-attention with a choice of scheme.
 
@@ -174,7 +164,9 @@ class ContextAttention(Module):
                              f"{list(balanced_sizes(seq_len, p))}")
         u = 1 if self.ulysses is None else self.ulysses.size
         ctx = [sequence_segments(seq_len, p, c, self.layout) for c in range(p)]
-        return seq_len, [_merged([s for c in range(j * u, (j + 1) * u) for s in ctx[c]])
+        # Adjoining segments are kept apart: query tiles then start at chunk boundaries, so
+        # under zig-zag every ring rank computes the same number of scores.
+        return seq_len, [[s for c in range(j * u, (j + 1) * u) for s in ctx[c] if s[1] > s[0]]
                          for j in range(p // u)]
 
     def forward(self, x: Any, key_lengths: Any = None) -> Any:
