@@ -277,8 +277,9 @@ def test_zigzag_causal_work_is_equal(monkeypatch, scheme, ulysses_size, tile):
     ring_rank = WORLD.rank // u
     rows = [s for c in range(ring_rank * u, (ring_rank + 1) * u)
             for s in sequence_segments(seq_len, cp, c, "zigzag")]
-    ends = [(min(qa + tile, b) - qa, min(qa + tile, b)) for a, b in rows for qa in range(a, b, tile)]
-    expected = 2 * B * (heads // u) * sum(t * end for t, end in ends)  # forward and backward
+    # a query tile [qa, qb) computes the keys [0, qb): (qb - qa) * qb elements per head
+    tiles = [(qa, min(qa + tile, b)) for a, b in rows for qa in range(a, b, tile)]
+    expected = 2 * B * (heads // u) * sum((qb - qa) * qb for qa, qb in tiles)  # fwd and bwd
     counts = {}
     for layout in ("contiguous", "zigzag"):
         computed[0] = 0
