@@ -20,10 +20,10 @@ Notes
 * Sizes: uneven extents follow the balanced rule of ``numpy.array_split``
   (:mod:`pympar.partition`). Gathering ranks of unknown extents agree on them with one
   small Allgather, which ``sizes=`` (every rank's extent, in group-rank order) avoids.
-* Agreement, always on: a call moving at least :data:`CHECK_BYTES` bytes (of the global
-  array), every call under a timeout, and every gather without ``sizes=`` first checks
-  that all ranks pass the same operation, dtype, extents (those not gathered), axis,
-  sizes, root, op and mapping label: one 16-byte Iallreduce, started before packing and
+* Agreement, always on: every call first checks that all ranks pass the same operation,
+  dtype, extents (those not gathered), axis, sizes, root, op and mapping label (a
+  ``PYMPAR_CHECK_BYTES`` threshold leaves out calls moving less, except under a timeout
+  and gathers without ``sizes=``): one 16-byte Iallreduce, started before packing and
   finished before the data call (folded into the size exchange where there is one). A
   rank that refuses its ``out=`` joins the check with a signature that cannot match. A
   mismatch raises the same :class:`~pympar.debug.CollectiveMismatchError` on every rank.
@@ -66,14 +66,14 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcas
 #: The largest count or displacement an MPI-3 (``int``) interface can take.
 INT_MAX = 2**31 - 1
 
-#: Calls whose global array has at least this many bytes are checked for agreement by
-#: default (``PYMPAR_CHECK_BYTES``, read at import; every call is checked under
-#: ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG``). The check is one MPI round trip: a 16-byte
-#: Iallreduce + Wait took 2.9 us on 2 ranks (MPICH 5.0.2, 2-core VM), a median 4 us per call
-#: in ``benchmarks/bench_mappings.py`` at 1 MiB (1.5-5% of those collectives). Checking
-#: every size would add those ~3 us to 1 KiB calls too, hence a threshold; 64 KiB keeps the
-#: check on for all but small messages.
-CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "65536")
+#: Calls whose global array has at least this many bytes are checked for agreement
+#: (``PYMPAR_CHECK_BYTES``, read at import; default 0: every call; every call is checked
+#: under ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG`` whatever this says). The check is one MPI
+#: round trip: a 16-byte Iallreduce + Wait took 2.9 us on 2 ranks (MPICH 5.0.2, 2-core VM),
+#: a median 2.8 us per 1 KiB call and 4 us per 1 MiB call in ``benchmarks/bench_mappings.py``
+#: (1.5-5% of the fastest 1 MiB collectives there). Raise it to trade that for unchecked
+#: small messages.
+CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "0")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}

@@ -1,7 +1,8 @@
 """Debug mode and timeouts for pympar collectives.
 
-Without either switch, collectives above :data:`pympar.collectives.CHECK_BYTES` already
-check, cheaply, that every rank makes the same call (see :mod:`pympar.collectives`).
+Without either switch, collectives already check, cheaply, that every rank makes the same
+call (every call by default, see :data:`pympar.collectives.CHECK_BYTES` and
+:mod:`pympar.collectives`).
 Two independent switches, both off by default and both read once at import, go further:
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)

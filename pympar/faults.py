@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import debug
+from . import collectives, debug
 
 __all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
 
 #: Environment variables whose settings must be the same on every rank.
-MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT")
+MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT", "PYMPAR_CHECK_BYTES")
 #: Seconds a rank waits at the end of the program, without a timeout, before it
 #: says that it is waiting for the others.
 EXIT_NOTE_AFTER = 30.0
@@ -61,7 +61,8 @@ def _settings() -> dict[str, list[str]]:
     """This rank's settings that must agree: [what is in effect, how it reads in the environment]."""
     timeout = debug.get_timeout()
     effective = {"PYMPAR_DEBUG": "on" if debug.is_enabled() else "off",
-                 "PYMPAR_TIMEOUT": "off" if timeout is None else f"{timeout!r} s"}
+                 "PYMPAR_TIMEOUT": "off" if timeout is None else f"{timeout!r} s",
+                 "PYMPAR_CHECK_BYTES": f"{collectives.CHECK_BYTES} bytes"}
     # The raw text is cut short: the exchange has a fixed size per rank.
     return {name: [value, f"{value} ({name}={os.environ.get(name, '<unset>')[:40]})"]
             for name, value in effective.items()}

@@ -98,9 +98,8 @@ class Group:
             For an unknown ``op``, max/min of complex, a dtype MPI cannot reduce, or a
             wrong ``out``.
         pympar.debug.CollectiveMismatchError
-            On every rank, when ranks pass different shapes, dtypes or ops (checked for
-            arrays of at least :data:`pympar.collectives.CHECK_BYTES`, and always under
-            debug mode or a timeout).
+            On every rank, when ranks pass different shapes, dtypes or ops (checked by
+            default; see :data:`pympar.collectives.CHECK_BYTES`).
         """
         return _collectives.all_reduce(self, x, op, out)
 

@@ -311,8 +311,9 @@ def test_a_size_that_fits_only_some_ranks_raises_everywhere(world):
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_mpi_truncation_gets_pympars_words():
-    """Below the default check's size, MPI's "Message truncated" names the call instead."""
-    status, output = launch("small_rows")
+    """With the check left out (a raised PYMPAR_CHECK_BYTES), MPI's "Message truncated" names
+    the call instead."""
+    status, output = launch("small_rows", PYMPAR_CHECK_BYTES=str(2**20))
     assert status != 0, output
     assert said_by(1, output).startswith(
         "rank 1] CollectiveMismatchError: broadcast(shape=(32,), dtype=float64, root=0) on "
@@ -323,6 +324,19 @@ def test_mpi_truncation_gets_pympars_words():
 
 #: Rows of 8192 float64 (64 KiB): every call below moves at least CHECK_BYTES.
 ROW = 8192
+
+
+@pytest.mark.mpi(min_size=2)
+def test_default_check_covers_small_messages(world):
+    """By default even 1 KiB calls are checked: no wrong answer from a mismatch, whatever the size."""
+    assert collectives.CHECK_BYTES == 0
+    odd = world.rank == 1
+    raises_everywhere(CollectiveMismatchError, "dtype=int32", world.all_reduce,
+                      np.ones(256, np.int32 if odd else np.float32))
+    raises_everywhere(CollectiveMismatchError, r"shape=\(16, 8\)", mappings.reduce_from_all,
+                      np.ones((16 if odd else 32, 8), np.float32), world)
+    raises_everywhere(CollectiveMismatchError, "root=1", world.broadcast, np.ones(4),
+                      root=int(odd))
 
 
 @pytest.mark.mpi(min_size=2)
