@@ -136,7 +136,11 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
         written: list[int] = []
         with ThreadPoolExecutor(1) as checksums:
             try:
-                for i, (t, pieces) in enumerate(zip(tensors, blocks)):
+                # Each rank starts at its own tensor: ranks writing runs of the same file at
+                # once queue on its inode lock and share pages at the runs' ends.
+                start = rank * len(tensors) // size
+                for i in [*range(start, len(tensors)), *range(start)]:
+                    t, pieces = tensors[i], blocks[i]
                     if len(written) == _OPEN_FILES:
                         _fsync_all(written)
                         while written:

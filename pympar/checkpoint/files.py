@@ -174,7 +174,8 @@ def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: 
             pending.append(checksums.submit(_adler_runs, flat, offsets, nbytes, total))
         for k, offset in enumerate(offsets):
             _pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
-        start_writeback(fd, data_offset + offsets[0], offsets[-1] + nbytes - offsets[0])
+        if len(offsets) == 1:
+            start_writeback(fd, data_offset + offsets[0], nbytes)
         _drain(pending, sums, 1)  # at most one checksum (of this chunk) left running
     _drain(pending, sums, 0)
 
