@@ -152,8 +152,8 @@ def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: 
     bytes are added to ``sums`` (``[A, B]``). Chunks that are C-contiguous host memory of
     ``dtype`` are written straight from ``src``, others through the buffer. With
     ``checksums`` (one worker thread) a chunk's checksum runs while it is being written:
-    ``zlib`` and ``os.pwrite`` both release the GIL. Each chunk's write-back to the disk is
-    started as soon as it is written, so the disk works while later chunks are copied.
+    ``zlib`` and ``os.pwrite`` both release the GIL. A contiguous chunk's write-back to the
+    disk is started as soon as it is written, so the disk works while later chunks are copied.
     """
     extents = [s.stop - s.start for s in box]
     total = math.prod(shape) * dtype.itemsize
@@ -174,8 +174,8 @@ def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: 
             pending.append(checksums.submit(_adler_runs, flat, offsets, nbytes, total))
         for k, offset in enumerate(offsets):
             _pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
-        if len(offsets) == 1:
-            start_writeback(fd, data_offset + offsets[0], nbytes)
+        if len(offsets) == 1:  # a span with gaps holds other ranks' runs: its pages, written
+            start_writeback(fd, data_offset + offsets[0], nbytes)  # back now, would go twice
         _drain(pending, sums, 1)  # at most one checksum (of this chunk) left running
     _drain(pending, sums, 0)
 
