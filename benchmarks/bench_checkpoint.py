@@ -13,7 +13,7 @@ by columns (Row-parallel: one run of ``4096 / ranks`` values per row). Variants,
 interleaved round by round, each a median over rounds, each rate = state bytes / seconds
 of the slowest rank:
 
-* ``disk write`` / ``disk read``: one process writes the same number of bytes to one file
+* ``disk write`` / ``disk read``: one process writes the same number of bytes to a new file
   in 8 MiB ``os.write`` calls and ``fsync`` s it, then reads it back (the disk's own figure
   in this run; reads of freshly written data come from the page cache, as for the loads);
 * ``pympar save`` (:func:`pympar.checkpoint.save`, fsync'd and committed);
@@ -21,6 +21,10 @@ of the slowest rank:
   its other axis: every rank reads other byte ranges than it wrote);
 * ``torch DCP save`` / ``torch DCP load`` (``torch.distributed.checkpoint`` over gloo, each
   rank's shards as its own tensors) when torch is installed.
+
+Every variant that writes writes new files, and what a sample wrote is deleted and
+``os.sync`` ed outside the timing (:func:`remove`): on a file system mounted with ``discard``
+the freed blocks would otherwise be trimmed during whichever variant comes next.
 
 It also reports the peak extra memory per rank of one save and one load (``tracemalloc``:
 NumPy's allocations, not the page cache).
@@ -95,6 +99,14 @@ def disk(path: str, nbytes: int, write: bool) -> float:
     return time.perf_counter() - start
 
 
+def remove(comm: MPI.Comm, path: str) -> None:
+    """Delete ``path`` (file or folder, if there) on rank 0 and sync the file system, untimed."""
+    if comm.Get_rank() == 0 and os.path.lexists(path):
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        os.sync()
+    comm.Barrier()
+
+
 def timed(comm: MPI.Comm, fn) -> float:
     comm.Barrier()
     start = time.perf_counter()
@@ -123,14 +135,16 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
     def sample_save() -> float:
         path = fresh()
         seconds = timed(comm, lambda: checkpoint.save(path, model, opt, comm=comm))
-        comm.Barrier()
-        if comm.Get_rank() == 0:
-            shutil.rmtree(path)
+        remove(comm, path)
         return seconds
 
+    def sample_disk_write() -> float:
+        remove(comm, os.path.join(where, "raw"))
+        return comm.bcast(disk(os.path.join(where, "raw"), nbytes, True)
+                          if comm.Get_rank() == 0 else None)
+
     samplers = {
-        "disk write": lambda: comm.bcast(disk(os.path.join(where, "raw"), nbytes, True)
-                                         if comm.Get_rank() == 0 else None),
+        "disk write": sample_disk_write,
         "disk read": lambda: comm.bcast(disk(os.path.join(where, "raw"), nbytes, False)
                                         if comm.Get_rank() == 0 else None),
         "pympar save": sample_save,
@@ -190,6 +204,7 @@ def _torch(comm: MPI.Comm, model: Module, opt: AdamW, where: str, group: object)
         counter[0] += 1
         path = os.path.join(where, f"dcp{counter[0]}")
         seconds = timed(comm, lambda: dcp.save(state, checkpoint_id=path, process_group=group))
+        remove(comm, os.path.join(where, f"dcp{counter[0] - 1}"))  # the load reads the newest
         return seconds
 
     def load() -> float:

@@ -160,11 +160,11 @@ def test_replicas_split_the_bytes(state, shared_dir, monkeypatch):
     written = {}
     real = api.write_box
 
-    def counting(fd, offset, shape, box, src, dtype, buffer, sums):
+    def counting(fd, offset, shape, box, src, dtype, buffer, sums, checksums=None):
         name = os.readlink(f"/proc/self/fd/{fd}")
         size = int(np.prod([s.stop - s.start for s in box])) * dtype.itemsize
         written[os.path.basename(name)] = written.get(os.path.basename(name), 0) + size
-        return real(fd, offset, shape, box, src, dtype, buffer, sums)
+        return real(fd, offset, shape, box, src, dtype, buffer, sums, checksums)
 
     monkeypatch.setattr(api, "write_box", counting)
     model = Model(full_arrays(), placements(state, "serial"))  # every tensor fully replicated

@@ -16,9 +16,12 @@ anywhere: a run of ``L`` bytes at offset ``o`` of ``N`` data bytes with Adler su
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import sys
 import zlib
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -27,7 +30,7 @@ from ..backend import is_cupy_array
 from ..partition import block_slice
 
 __all__ = ["ADLER_MOD", "Buffer", "box_runs", "replica_share", "write_box", "read_box",
-           "checksum_range", "adler_total"]
+           "checksum_range", "adler_total", "start_writeback"]
 
 ADLER_MOD = 65521
 #: Runs shorter than this many bytes are read as one span per chunk.
@@ -140,28 +143,100 @@ def adler_total(parts: np.ndarray, total: int) -> int:
 
 
 def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: Any,
-              dtype: np.dtype, buffer: Buffer, sums: np.ndarray) -> None:
+              dtype: np.dtype, buffer: Buffer, sums: np.ndarray,
+              checksums: Executor | None = None) -> None:
     """Write ``src`` (the box's values, any layout, NumPy or CuPy) into its runs of the file.
 
     ``dtype`` is the stored dtype (``src`` must already have its kind, e.g. bfloat16 viewed
-    as uint16; only the byte order may differ); the Adler-32
-    contributions of the written bytes are added to ``sums`` (``[A, B]``).
+    as uint16; only the byte order may differ); the Adler-32 contributions of the written
+    bytes are added to ``sums`` (``[A, B]``). Chunks that are C-contiguous host memory of
+    ``dtype`` are written straight from ``src``, others through the buffer. With
+    ``checksums`` (one worker thread) a chunk's checksum runs while it is being written:
+    ``zlib`` and ``os.pwrite`` both release the GIL. A contiguous chunk's write-back to the
+    disk is started as soon as it is written, so the disk works while later chunks are copied.
     """
     extents = [s.stop - s.start for s in box]
     total = math.prod(shape) * dtype.itemsize
+    pending: list[Any] = []
     for r0, r1, sub in _chunks(box, extents, dtype.itemsize, buffer):
         starts, length = box_runs(shape, sub)
         if not len(starts):
             continue
-        flat = memoryview(_host_chunk(src[r0:r1] if extents else src, buffer, dtype)).cast("B")
+        part = src[r0:r1] if extents else src
+        if not _is_direct(part, dtype):  # the buffer is refilled: its checksum must be done
+            _drain(pending, sums, 0)
+        flat = memoryview(_host_chunk(part, buffer, dtype)).cast("B")
         nbytes = length * dtype.itemsize
-        for k, start in enumerate(starts.tolist()):
-            piece = flat[k * nbytes:(k + 1) * nbytes]
-            offset = start * dtype.itemsize
-            _pwrite_all(fd, piece, data_offset + offset)
-            a, b = _adler_part(piece, offset, total)
-            sums[0] += a
-            sums[1] += b
+        offsets = (starts * dtype.itemsize).tolist()
+        if checksums is None:
+            pending.append(_Done(_adler_runs(flat, offsets, nbytes, total)))
+        else:
+            pending.append(checksums.submit(_adler_runs, flat, offsets, nbytes, total))
+        for k, offset in enumerate(offsets):
+            _pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
+        if len(offsets) == 1:  # a span with gaps holds other ranks' runs: its pages, written
+            start_writeback(fd, data_offset + offsets[0], nbytes)  # back now, would go twice
+        _drain(pending, sums, 1)  # at most one checksum (of this chunk) left running
+    _drain(pending, sums, 0)
+
+
+class _Done:
+    """A computed value with the interface of a finished future."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def _drain(pending: list[Any], sums: np.ndarray, leave: int) -> None:
+    while len(pending) > leave:
+        a, b = pending.pop(0).result()
+        sums[0] += a
+        sums[1] += b
+
+
+def _is_direct(part: Any, dtype: np.dtype) -> bool:
+    return isinstance(part, np.ndarray) and part.flags.c_contiguous and part.dtype == dtype
+
+
+def _adler_runs(flat: memoryview, offsets: list[int], nbytes: int,
+                total: int) -> tuple[int, int]:
+    """Summed Adler-32 contributions of equal runs of ``flat`` at data byte ``offsets``."""
+    a_sum = b_sum = 0
+    for k, offset in enumerate(offsets):
+        a, b = _adler_part(flat[k * nbytes:(k + 1) * nbytes], offset, total)
+        a_sum += a
+        b_sum += b
+    return a_sum % ADLER_MOD, b_sum % ADLER_MOD
+
+
+def _sync_file_range() -> Any:
+    """Linux's ``sync_file_range`` through ctypes, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` to the disk, not waiting.
+
+    Only a hint that overlaps the disk's work with the rest of a save (without it the dirty
+    pages wait for the final ``fsync``); durability still comes from that ``fsync``.
+    """
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: Any,
