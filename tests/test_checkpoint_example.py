@@ -163,7 +163,7 @@ def test_rank_killed_before_commit_leaves_previous(tmp_path):
 
 
 def rank_pids(marker):
-    """Process ids of the ranks whose command line contains ``marker``, by PMI rank."""
+    """Process ids of the ranks whose command line contains ``marker``, by world rank."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -172,10 +172,15 @@ def rank_pids(marker):
         except OSError:
             continue
         if marker.encode() in b" ".join(cmd) and b"burgers.py" in b" ".join(cmd):
-            for item in env:
-                if item.startswith(b"PMI_RANK="):
-                    found[int(item[9:])] = int(pid)
+            ranks = dict(item.split(b"=", 1) for item in env if item.startswith(RANK_VARIABLES))
+            for name in RANK_VARIABLES:  # MPICH's Hydra says PMI_RANK, Open MPI the others
+                if name.rstrip(b"=") in ranks:
+                    found[int(ranks[name.rstrip(b"=")])] = int(pid)
+                    break
     return found
+
+
+RANK_VARIABLES = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=")
 
 
 @own_job
