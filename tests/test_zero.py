@@ -178,7 +178,9 @@ def test_zero_state_dict_is_the_unsharded_state_and_reloads(tp):
                              what=f"{key}[{i}]")
         # Interchangeable with the plain optimizer's state, both ways.
         AdamW([Parameter(p.data.copy()) for p in model.params]).load_state_dict(state)
-        # A fresh optimizer with other buckets loads it and continues exactly like the original.
+        # A fresh optimizer with other buckets loads it and continues like the original, to
+        # rounding: other bucket sizes may make MPI pick another reduce-scatter algorithm, with
+        # another summation order (Open MPI does; MPICH gives the same bits here).
         saved = [p.data.copy() for p in model.params]
         _, _, continued = train(True, dp, steps=3, model=model, opt=opt, start=4)
         after = [p.data.copy() for p in model.params]
@@ -188,9 +190,9 @@ def test_zero_state_dict_is_the_unsharded_state_and_reloads(tp):
         fresh.load_state_dict(state)
         agree(fresh.lr == 1e-2, f"lr {fresh.lr}")
         _, _, reloaded = train(True, dp, steps=3, model=model, opt=fresh, start=4)
-        assert_close(reloaded, continued, rtol=0, atol=0, what="losses after reload")
+        assert_close(reloaded, continued, rtol=1e-12, atol=1e-15, what="losses after reload")
         for p, a in zip(model.params, after):
-            assert_close(p.data, a, rtol=0, atol=0, what=f"{p.name} after reload")
+            assert_close(p.data, a, rtol=1e-12, atol=1e-15, what=f"{p.name} after reload")
         # The plain optimizer's state loads the same way.
         for p, s in zip(model.params, saved):
             p.data[...] = s
