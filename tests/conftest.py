@@ -10,6 +10,7 @@ other ranks print their own failures to stderr.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +36,40 @@ def clean_state():
     manager.destroy_parallel()
     yield
     manager.destroy_parallel()
+
+
+@pytest.fixture
+def shared_dir():
+    """A temporary directory that every rank of the world sees, removed at the end."""
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-test-") if WORLD.rank == 0 else None)
+    yield path
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every matplotlib figure saved during the test, by file name (kept open until its end)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.figure
+    import matplotlib.pyplot as plt
+
+    figures = {}
+    real_savefig, real_close = matplotlib.figure.Figure.savefig, plt.close
+
+    def savefig(fig, path, **kwargs):
+        figures[os.path.basename(path)] = fig
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.setattr(plt, "close", lambda fig=None: None)
+    yield figures
+    for fig in figures.values():
+        real_close(fig)
 
 
 @pytest.hookimpl(trylast=True)

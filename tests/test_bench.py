@@ -321,18 +321,8 @@ def test_report_skips_missing_jobs_and_parts(tmp_path):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(WORLD.size > 1, reason="draws the plots once, in the single-rank run")
-def test_new_plots_are_labelled(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
-    import matplotlib.figure
-
-    figures = {}
-    real_savefig = matplotlib.figure.Figure.savefig
-
-    def savefig(fig, path, **kwargs):
-        figures[Path(path).name] = fig
-        return real_savefig(fig, path, **kwargs)
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+def test_new_plots_are_labelled(tmp_path, saved_figures):
+    figures = saved_figures
     for name, data in {"attention.json": _attention_sample(0.04),
                        "checkpoint.json": _checkpoint_sample([1, 2, 4], dcp=True)}.items():
         (tmp_path / name).write_text(json.dumps(data))

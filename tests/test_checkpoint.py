@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import tracemalloc
 import zlib
 
@@ -76,14 +74,6 @@ def state():
     yield st
     manager.destroy_parallel()
 
-
-@pytest.fixture
-def shared_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-ckpt-") if WORLD.rank == 0 else None)
-    yield path
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def adam_step(model, opt, places, seed):

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,14 +28,6 @@ from test_examples import TINY, load
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [a for a in TINY if a != "--quiet"] + ["--quiet"]
 
-
-@pytest.fixture
-def shared_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-burgers-") if WORLD.rank == 0 else None)
-    yield path
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def run(burgers, flags, comm=WORLD):

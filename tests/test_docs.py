@@ -275,26 +275,12 @@ def test_select_gpu_reads_the_launchers_local_rank(monkeypatch):
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
                     reason="draws the plots once, in the single-rank run of the suite")
-def test_benchmark_plots_are_labelled(tmp_path, monkeypatch):
+def test_benchmark_plots_are_labelled(tmp_path, saved_figures):
     """The committed JSON redrawn: a readable ratio panel, legends off the data, named axes."""
-    pytest.importorskip("matplotlib")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    figures = saved_figures
     report = _load(ROOT / "benchmarks" / "report.py", "bench_report")
     for source in (ROOT / "benchmarks" / "results").glob("*.json"):
         shutil.copy(source, tmp_path / source.name)
-    figures = {}
-    real_savefig = matplotlib.figure.Figure.savefig
-
-    def savefig(fig, path, **kwargs):
-        figures[Path(path).name] = fig
-        return real_savefig(fig, path, **kwargs)
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
-    monkeypatch.setattr(plt, "close", lambda fig=None: None)
     written = report.write_report(tmp_path)
     assert {"mappings.png", "torch_comm.png", "comm_volume.png"} <= {p.name for p in written}
     ratio = figures["mappings.png"].axes[2]
@@ -311,7 +297,6 @@ def test_benchmark_plots_are_labelled(tmp_path, monkeypatch):
     for fig in figures.values():
         for ax in fig.axes:
             assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axis in {ax.get_title()}"
-        plt.close(fig)
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1 or shutil.which("make") is None,

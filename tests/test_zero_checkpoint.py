@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -28,14 +26,6 @@ from test_zero import MLP, layout, train
 
 SAVED, MORE = 4, 3  # steps before the checkpoint, steps after it
 
-
-@pytest.fixture
-def shared_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-zero-ckpt-") if WORLD.rank == 0 else None)
-    yield path
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def files(path):
