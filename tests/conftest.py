@@ -39,6 +39,14 @@ def clean_state():
 
 
 @pytest.fixture
+def cube(clean_state):
+    """A 3D parallel state of depth 2 (skips unless the world size is a multiple of 8)."""
+    if WORLD.Get_size() % 8:
+        pytest.skip("needs a depth-2 cube: a world size that is a multiple of 8")
+    manager.initialize_parallel(8, tensor_parallel_mode="3d")
+
+
+@pytest.fixture
 def shared_dir():
     """A temporary directory that every rank of the world sees, removed at the end."""
     path = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-test-") if WORLD.rank == 0 else None)

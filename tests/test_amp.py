@@ -31,6 +31,17 @@ def backward_step(layers, x, target, count, scale=1.0):
     return float((err.astype(np.float64) ** 2).sum())
 
 
+def data_rows():
+    """The data-parallel group, this rank's rows of the batch and their element count.
+
+    Each rank takes the mean over its own rows: averaging the gradients over DP (BATCH splits
+    evenly) then gives the global mean's gradient.
+    """
+    dp = manager.get_data_parallel_group()
+    rows = block(BATCH, dp.size, dp.rank)
+    return dp, rows, (rows.stop - rows.start) * FEATURES
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sharded", [True, False], ids=["zero", "allreduce"])
 def test_injected_inf_on_one_rank_skips_everywhere_and_halves_scale(sharded):
@@ -38,10 +49,7 @@ def test_injected_inf_on_one_rank_skips_everywhere_and_halves_scale(sharded):
     tp = 2 if WORLD.size % 2 == 0 else 1
     manager.initialize_parallel(tensor_parallel_size=tp)
     try:
-        dp = manager.get_data_parallel_group()
-        rows = block(BATCH, dp.size, dp.rank)
-        # The local mean: gradient averaging over DP (BATCH splits evenly) gives the global one.
-        local_count = (rows.stop - rows.start) * FEATURES
+        dp, rows, local_count = data_rows()
         runs = {}
         for scaled in (True, False):
             layers = mlp(np.float64)
@@ -119,10 +127,7 @@ def test_fp16_recovers_from_overflow(sharded):
     tp = 2 if WORLD.size % 2 == 0 else 1
     manager.initialize_parallel(tensor_parallel_size=tp)
     try:
-        dp = manager.get_data_parallel_group()
-        rows = block(BATCH, dp.size, dp.rank)
-        # The local mean: gradient averaging over DP (BATCH splits evenly) gives the global one.
-        local_count = (rows.stop - rows.start) * FEATURES
+        dp, rows, local_count = data_rows()
         layers = mlp(np.float16)
         params = [p for layer in layers for p in layer.parameters()]
         opt = (ZeroRedundancyOptimizer(params, AdamW, lr=0.1) if sharded

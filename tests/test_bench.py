@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import bench_comm_volume as volume  # noqa: E402
 from benchmarks import common, report, run  # noqa: E402
 from pympar import __main__ as cli  # noqa: E402
-from pympar import manager  # noqa: E402
 
 #: (tokens, hidden, ffn): one shape where every split divides, two where none does.
 SHAPES = [(16, 8, 32), (13, 9, 35), (11, 10, 21)]
@@ -75,16 +74,6 @@ def test_exchanged_bytes_rules():
 
 
 # --------------------------------------------------------------------------- measured = formula
-
-
-@pytest.fixture
-def cube():
-    """A 3D parallel state of depth 2 (world size a multiple of 8)."""
-    if WORLD.size % 8:
-        pytest.skip("needs a world size that is a multiple of 8")
-    manager.initialize_parallel(8, tensor_parallel_mode="3d")
-    yield
-    manager.destroy_parallel()
 
 
 @pytest.mark.mpi(min_size=8)

@@ -142,10 +142,7 @@ def test_skipped_input_gradient_issues_no_all_reduce(clean_state):
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("swap", [False, True])
-def test_3d_layers(clean_state, swap):
-    if WORLD.size % 8:
-        pytest.skip("depth-2 cube needs a multiple of 8 ranks")
-    manager.initialize_parallel(8, tensor_parallel_mode="3d")
+def test_3d_layers(cube, swap):
     hidden = 9
     probe = Linear3D(IN, hidden, swap=swap, dtype=np.float64)
     x = probe.layout.split_input(rng_array(1, (S, IN), np.float64))

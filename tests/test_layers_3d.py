@@ -4,18 +4,11 @@ import numpy as np
 import pytest
 
 from layer_helpers import DTYPES, XPS, get_xp, rng_array, tolerance
-from mpi_helpers import WORLD, assert_close, assert_equal, raises_everywhere
+from mpi_helpers import assert_close, assert_equal, raises_everywhere
 from pympar import manager, stats
 from pympar.modules import GELU, LayerNorm, LayerNorm3D, Linear, Linear3D, layout_3d
 
 ROWS, IN, MID, OUT = 9, 5, 7, 6  # nothing divides evenly at d=2
-
-
-@pytest.fixture
-def cube(clean_state):
-    if WORLD.size % 8:
-        pytest.skip("3D layers here use a depth-2 cube (multiples of 8 ranks)")
-    manager.initialize_parallel(8, tensor_parallel_mode="3d")
 
 
 @pytest.mark.mpi(min_size=8)

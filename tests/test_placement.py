@@ -60,10 +60,7 @@ def test_serial_placements_are_whole_arrays():
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("swap", [False, True])
-def test_3d_placements(clean_state, swap):
-    if WORLD.size % 8:
-        pytest.skip("depth-2 cube needs a multiple of 8 ranks")
-    manager.initialize_parallel(8, tensor_parallel_mode="3d")
+def test_3d_placements(cube, swap):
     hidden = 9
     serial = Linear(IN * 2, hidden, dtype=np.float32, seed=4)
     layer = Linear3D(IN * 2, hidden, swap=swap, dtype=np.float32, seed=4)
