@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..partition import block_slice
+from . import exchange
 from ._shared import (agree, attempt, default_comm, file_name, open_fd, optimizer_names, shares,
                       signature, tensors_of)
 from .files import Buffer, adler_total, checksum_range, read_box, write_box
@@ -129,29 +130,53 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     attempt(comm, create_files)
     sums = np.zeros((len(tensors), 2), dtype=np.int64)
 
+    # Blocks of short runs (split along a trailing axis) are traded for row slabs first.
+    slabs = attempt(comm, exchange.plan, comm, tensors, blocks)
+
     def write_files():
         # Each chunk's write-back starts as soon as it is written and its checksum runs on a
         # helper thread meanwhile; the fsyncs then run together at the end (one journal
         # commit for many files, not one per file), at most _OPEN_FILES files behind.
         written: list[int] = []
+        error: BaseException | None = None
+
+        def open_file(i: int) -> int:
+            if len(written) == _OPEN_FILES:
+                _fsync_all(written)
+                while written:
+                    os.close(written.pop())
+            written.append(os.open(os.path.join(temp, file_name(i)), os.O_WRONLY))
+            return written[-1]
+
         with ThreadPoolExecutor(1) as checksums:
             try:
+                # The exchanges are collective: every rank takes part in each, in the same
+                # order, even after a failed write (reported once they are all done).
+                for i in (i for i, boxes in enumerate(slabs) if boxes is not None):
+                    t = tensors[i]
+                    rows = block_slice(t.placement.shape[0], size, rank)
+                    fd = None
+                    if rows.stop > rows.start and error is None:
+                        try:
+                            fd = open_file(i)
+                        except Exception as err:  # noqa: BLE001 - the exchange goes on
+                            error = err
+                    failed = exchange.write_slabs(comm, fd, _data_offset(t), t, slabs[i],
+                                                  buffer, sums[i], checksums)
+                    error = error or failed
+                if error is not None:
+                    raise error
                 # Each rank starts at its own tensor: ranks writing runs of the same file at
                 # once queue on its inode lock and share pages at the runs' ends.
                 start = rank * len(tensors) // size
                 for i in [*range(start, len(tensors)), *range(start)]:
                     t, pieces = tensors[i], blocks[i]
-                    if len(written) == _OPEN_FILES:
-                        _fsync_all(written)
-                        while written:
-                            os.close(written.pop())
-                    offset = len(npy_header(t.placement.shape, t.stored))
-                    if i % size != rank and not any(
+                    if slabs[i] is not None or i % size != rank and not any(
                             math.prod(s.stop - s.start for s in g) for g, _ in pieces):
                         continue  # nothing to write here; the creator still fsyncs the header
-                    written.append(os.open(os.path.join(temp, file_name(i)), os.O_WRONLY))
+                    fd = open_file(i)
                     for g, lo in pieces:
-                        write_box(written[-1], offset, t.placement.shape, g,
+                        write_box(fd, _data_offset(t), t.placement.shape, g,
                                   t.array[(*lo, ...)], t.stored, buffer, sums[i], checksums)
                 _fsync_all(written)
             finally:
@@ -177,6 +202,11 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
 
     attempt(comm, commit)
     return path
+
+
+def _data_offset(t: Any) -> int:
+    """Where the data of tensor ``t``'s ``.npy`` file start (the header's length)."""
+    return len(npy_header(t.placement.shape, t.stored))
 
 
 def _commit(temp: str, path: str, manifest: bytes) -> None:

@@ -30,7 +30,7 @@ from ..backend import is_cupy_array
 from ..partition import block_slice
 
 __all__ = ["ADLER_MOD", "Buffer", "box_runs", "replica_share", "write_box", "read_box",
-           "checksum_range", "adler_total", "start_writeback"]
+           "checksum_range", "adler_part", "adler_total", "pwrite_all", "start_writeback"]
 
 ADLER_MOD = 65521
 #: Runs shorter than this many bytes are read as one span per chunk.
@@ -128,7 +128,7 @@ def _chunks(box: Box, extents: list[int], itemsize: int, buffer: Buffer,
         yield r0, r1, (slice(box[0].start + r0, box[0].start + r1),) + tuple(box[1:])
 
 
-def _adler_part(data: Any, offset: int, total: int) -> tuple[int, int]:
+def adler_part(data: Any, offset: int, total: int) -> tuple[int, int]:
     """Contribution of ``data`` at byte ``offset`` to the Adler-32 sums of ``total`` bytes."""
     value = zlib.adler32(data)
     a, b, n = value & 0xFFFF, value >> 16, len(data)
@@ -173,7 +173,7 @@ def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: 
         else:
             pending.append(checksums.submit(_adler_runs, flat, offsets, nbytes, total))
         for k, offset in enumerate(offsets):
-            _pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
+            pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
         if len(offsets) == 1:  # a span with gaps holds other ranks' runs: its pages, written
             start_writeback(fd, data_offset + offsets[0], nbytes)  # back now, would go twice
         _drain(pending, sums, 1)  # at most one checksum (of this chunk) left running
@@ -206,7 +206,7 @@ def _adler_runs(flat: memoryview, offsets: list[int], nbytes: int,
     """Summed Adler-32 contributions of equal runs of ``flat`` at data byte ``offsets``."""
     a_sum = b_sum = 0
     for k, offset in enumerate(offsets):
-        a, b = _adler_part(flat[k * nbytes:(k + 1) * nbytes], offset, total)
+        a, b = adler_part(flat[k * nbytes:(k + 1) * nbytes], offset, total)
         a_sum += a
         b_sum += b
     return a_sum % ADLER_MOD, b_sum % ADLER_MOD
@@ -293,12 +293,13 @@ def checksum_range(fd: int, data_offset: int, start: int, stop: int, total: int,
         hi = min(lo + buffer.nbytes, stop)
         raw = memoryview(buffer.view((hi - lo,), np.dtype(np.uint8)))
         _pread_all(fd, raw, data_offset + lo)
-        a, b = _adler_part(raw, lo, total)
+        a, b = adler_part(raw, lo, total)
         sums[0] += a
         sums[1] += b
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked)."""
     while len(data):
         done = os.pwrite(fd, data, offset)
         data, offset = data[done:], offset + done

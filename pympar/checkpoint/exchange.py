@@ -1,0 +1,175 @@
+"""Two-phase writes: ranks trade their blocks for row slabs, then each writes one range.
+
+A block split along a trailing axis (a Row-parallel weight, a 3D block) lies in its C-order
+file as one short run per row: thousands of small writes per rank, and pages that two ranks
+write at once. For such a tensor the ranks first exchange data with one ``Alltoallw`` per
+round, so that rank ``q`` holds a slab of whole rows of the full array (its balanced share
+of the first axis, one staging buffer-full per round), and then write that slab with one
+``os.pwrite`` -- MPI-IO's collective buffering, without MPI-IO. Subarray datatypes describe
+both sides, so MPI reads the blocks where they lie and nothing is packed in Python. The
+slab is the staging buffer, so the memory bound of a save does not change.
+
+Every rank decides alike from one all-gather of every rank's write box (:func:`plan`); a
+tensor whose blocks cannot be described this way (several pieces, as fused ``stride > 1``
+weights have; CuPy arrays; a byte order other than the stored one) keeps the direct writes
+of :func:`~pympar.checkpoint.files.write_box`.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..partition import block_slice
+from .files import Buffer, adler_part, pwrite_all, start_writeback
+
+__all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs"]
+
+#: Blocks whose file runs are shorter than this are exchanged instead of written in place.
+SHORT_RUN_BYTES = 1 * 2**20
+
+Box = tuple  # tuple of slices over the full shape
+
+
+def _runs_are_short(shape: tuple[int, ...], box: Box, itemsize: int) -> bool:
+    """Whether ``box`` lies in the C-order file of ``shape`` as several runs, each shorter
+    than :data:`SHORT_RUN_BYTES`."""
+    extents = [s.stop - s.start for s in box]
+    if 0 in extents:
+        return False
+    run = itemsize
+    for axis in range(len(shape) - 1, -1, -1):
+        run *= extents[axis]
+        if extents[axis] != shape[axis]:
+            break
+    return run < SHORT_RUN_BYTES and run < math.prod(extents) * itemsize
+
+
+def plan(comm: MPI.Intracomm, tensors: list[Any], blocks: list[list[tuple]]) -> list[Any]:
+    """Per tensor, every rank's ``(global box, local starts)`` to exchange, or None.
+
+    ``blocks[i]`` is this rank's list of ``(global box, local box)`` pieces to write of
+    tensor ``i`` (replica shares already cut). One all-gather of a fixed-size record per
+    tensor (eligible, box bounds, local starts) tells every rank every other rank's box, so
+    that the ranks agree on which tensors to exchange and build matching datatypes.
+    """
+    size = comm.Get_size()
+    if size == 1:
+        return [None] * len(tensors)
+    widths = [1 + 3 * len(t.placement.shape) for t in tensors]
+    mine = np.zeros(sum(widths), dtype=np.int64)
+    at = 0
+    for t, pieces, width in zip(tensors, blocks, widths):
+        d = len(t.placement.shape)
+        live = [(g, lo) for g, lo in pieces if math.prod(s.stop - s.start for s in g)]
+        direct = (isinstance(t.array, np.ndarray) and t.array.flags.c_contiguous
+                  and t.array.dtype == t.stored and t.array.ndim == d)
+        if d >= 2 and len(live) <= 1 and direct:
+            mine[at] = 1
+            if live:
+                g, lo = live[0]
+                mine[at + 1:at + 1 + d] = [s.start for s in g]
+                mine[at + 1 + d:at + 1 + 2 * d] = [s.stop for s in g]
+                mine[at + 1 + 2 * d:at + width] = [s.start for s in lo]
+        at += width
+    every = np.empty((size, mine.size), dtype=np.int64)
+    comm.Allgather(mine, every)
+    out, at = [], 0
+    for t, width in zip(tensors, widths):
+        d, shape = len(t.placement.shape), t.placement.shape
+        rows = every[:, at:at + width]
+        at += width
+        if not rows[:, 0].all():
+            out.append(None)
+            continue
+        boxes = [(tuple(slice(int(a), int(b)) for a, b in zip(r[1:1 + d], r[1 + d:1 + 2 * d])),
+                  tuple(int(v) for v in r[1 + 2 * d:])) for r in rows]
+        short = any(_runs_are_short(shape, g, t.stored.itemsize) for g, _ in boxes)
+        out.append(boxes if short else None)
+    return out
+
+
+def _subarray(base: MPI.Datatype, sizes: tuple[int, ...], box: Box,
+              starts: tuple[int, ...]) -> MPI.Datatype:
+    return base.Create_subarray(list(sizes), [s.stop - s.start for s in box], list(starts),
+                                order=MPI.ORDER_C).Commit()
+
+
+def _overlap(box: Box, lo: int, hi: int) -> Box | None:
+    """``box`` cut to rows ``[lo, hi)`` of the first axis; None when nothing is left."""
+    a, b = max(box[0].start, lo), min(box[0].stop, hi)
+    if a >= b or any(s.stop <= s.start for s in box[1:]):
+        return None
+    return (slice(a, b),) + tuple(box[1:])
+
+
+def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
+                buffer: Buffer, sums: np.ndarray, checksums: Executor) -> BaseException | None:
+    """Exchange tensor ``t``'s blocks for row slabs and write this rank's slabs; collective.
+
+    ``boxes`` is :func:`plan`'s entry for ``t``; ``fd`` the open file (None when this rank
+    has no rows to write). Each round moves at most a buffer-full of rows (at least one
+    row) into ``buffer``. The Adler-32 contributions of the written slabs go to ``sums``.
+    A failed write does not stop this rank's part in the exchange (the others would wait):
+    the first error is returned, to be agreed on afterwards.
+    """
+    shape, itemsize = t.placement.shape, t.stored.itemsize
+    size, rank = comm.Get_size(), comm.Get_rank()
+    row_bytes = math.prod(shape[1:]) * itemsize
+    total = math.prod(shape) * itemsize
+    rows_per_round = max(buffer.nbytes // max(row_bytes, 1), 1)
+    domains = [block_slice(shape[0], size, q) for q in range(size)]
+    rounds = max(math.ceil((d.stop - d.start) / rows_per_round) for d in domains)
+    base = MPI.BYTE.Create_contiguous(itemsize).Commit()
+    mine, my_starts = boxes[rank]
+    local_shape = tuple(t.array.shape)
+    error: BaseException | None = None
+    try:
+        for k in range(rounds):
+            chunks = [(d.start + k * rows_per_round,
+                       min(d.stop, d.start + (k + 1) * rows_per_round)) for d in domains]
+            lo, hi = chunks[rank]
+            slab = buffer.view((max(hi - lo, 0),) + tuple(shape[1:]), t.stored)
+            send_types, recv_types, made = [], [], []
+            for q in range(size):
+                part = _overlap(mine, *chunks[q])
+                if part is None:
+                    send_types.append(base)
+                else:
+                    starts = [o + s.start - m.start for o, s, m in zip(my_starts, part, mine)]
+                    send_types.append(_subarray(base, local_shape, part, starts))
+                    made.append(send_types[-1])
+                theirs = _overlap(boxes[q][0], lo, hi)
+                if theirs is None:
+                    recv_types.append(base)
+                else:
+                    starts = [theirs[0].start - lo] + [s.start for s in theirs[1:]]
+                    recv_types.append(_subarray(base, slab.shape, theirs, starts))
+                    made.append(recv_types[-1])
+            counts_s = [int(ty is not base) for ty in send_types]
+            counts_r = [int(ty is not base) for ty in recv_types]
+            zeros = [0] * size
+            try:
+                comm.Alltoallw([t.array, (counts_s, zeros), send_types],
+                               [slab, (counts_r, zeros), recv_types])
+            finally:
+                for ty in made:
+                    ty.Free()
+            if hi > lo and fd is not None and error is None:
+                try:
+                    flat = memoryview(slab).cast("B")
+                    future = checksums.submit(adler_part, flat, lo * row_bytes, total)
+                    pwrite_all(fd, flat, data_offset + lo * row_bytes)
+                    start_writeback(fd, data_offset + lo * row_bytes, len(flat))
+                    a, b = future.result()
+                    sums[0] += a
+                    sums[1] += b
+                except Exception as err:  # noqa: BLE001 - reported after the exchange
+                    error = err
+    finally:
+        base.Free()
+    return error
