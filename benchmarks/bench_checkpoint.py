@@ -22,9 +22,13 @@ of the slowest rank:
 * ``torch DCP save`` / ``torch DCP load`` (``torch.distributed.checkpoint`` over gloo, each
   rank's shards as its own tensors) when torch is installed.
 
-Every variant that writes writes new files, and what a sample wrote is deleted and
-``os.sync`` ed outside the timing (:func:`remove`): on a file system mounted with ``discard``
-the freed blocks would otherwise be trimmed during whichever variant comes next.
+Every variant that writes starts from the same state: what its previous sample wrote is
+deleted and ``os.sync`` ed just before, outside the timing (:func:`remove`; on a file system
+mounted with ``discard`` the freed blocks would otherwise be trimmed during whichever
+variant comes next). On the VM these figures come from, a write that follows an idle
+pause ran at about half the speed of one that follows a sync, for the plain disk write
+and the save alike, so unequal starting states would decide the ratios. Ratios are
+medians over rounds of the two variants' ratio within a round.
 
 It also reports the peak extra memory per rank of one save and one load (``tracemalloc``:
 NumPy's allocations, not the page cache).
@@ -129,14 +133,13 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
         counter[0] += 1
         return os.path.join(where, f"c{counter[0]}")
 
-    saved = checkpoint.save(fresh(), model, opt, comm=comm)
+    saved = checkpoint.save(os.path.join(where, "loaded"), model, opt, comm=comm)
     torch_dcp = None if torch_group is None else _torch(comm, model, opt, where, torch_group)
 
     def sample_save() -> float:
+        remove(comm, os.path.join(where, f"c{counter[0]}"))  # the previous sample's
         path = fresh()
-        seconds = timed(comm, lambda: checkpoint.save(path, model, opt, comm=comm))
-        remove(comm, path)
-        return seconds
+        return timed(comm, lambda: checkpoint.save(path, model, opt, comm=comm))
 
     def sample_disk_write() -> float:
         remove(comm, os.path.join(where, "raw"))
@@ -157,6 +160,7 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
         samplers.update(torch_dcp)
     samples = common.interleaved(samplers, repeats, 1, comm)
     rates = {name: nbytes / common.median(s) / 1e9 for name, s in samples.items()}
+    remove(comm, os.path.join(where, f"c{counter[0]}"))
 
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -170,6 +174,7 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
     shard = max(p.data.nbytes for p in model.parameters())
     return {"ranks": ranks, "state_bytes": nbytes, "gbps": rates,
             "seconds": {k: common.median(v) for k, v in samples.items()},
+            "samples": samples,
             "peak_extra_bytes": {"save": comm.allreduce(save_peak, op=MPI.MAX),
                                  "load": comm.allreduce(load_peak, op=MPI.MAX)},
             "largest_shard_bytes": shard, "buffer_bytes": checkpoint.BUFFER_BYTES}
@@ -201,16 +206,15 @@ def _torch(comm: MPI.Comm, model: Module, opt: AdamW, where: str, group: object)
     counter = [0]
 
     def save() -> float:
+        remove(comm, os.path.join(where, f"dcp{counter[0]}"))  # the previous sample's
         counter[0] += 1
         path = os.path.join(where, f"dcp{counter[0]}")
-        seconds = timed(comm, lambda: dcp.save(state, checkpoint_id=path, process_group=group))
-        remove(comm, os.path.join(where, f"dcp{counter[0] - 1}"))  # the load reads the newest
-        return seconds
+        return timed(comm, lambda: dcp.save(state, checkpoint_id=path, process_group=group))
 
     def load() -> float:
-        path = os.path.join(where, f"dcp{max(counter[0], 1)}")
-        if not os.path.exists(path):
+        if not counter[0]:
             save()
+        path = os.path.join(where, f"dcp{counter[0]}")
         return timed(comm, lambda: dcp.load(state, checkpoint_id=path, process_group=group))
 
     return {"torch DCP save": save, "torch DCP load": load}
@@ -257,15 +261,22 @@ def main(argv=None) -> int:
 
 
 def _ratios(results: list[dict]) -> list[dict]:
+    """Speed ratios (rate over rate, i.e. time over time inverted), each the median over
+    rounds of the two variants' ratio in the same round: the disk of this machine drifts
+    by 2x within a minute, and a round's samples run within seconds of each other."""
     out = []
     for r in results:
-        g = r["gbps"]
-        row = {"ranks": r["ranks"],
-               "save_vs_disk_write": g["pympar save"] / g["disk write"],
-               "load_other_vs_same": g["pympar load same layout"] / g["pympar load other layout"]}
-        if "torch DCP save" in g:
-            row["save_vs_torch_dcp"] = g["pympar save"] / g["torch DCP save"]
-            row["load_vs_torch_dcp"] = g["pympar load same layout"] / g["torch DCP load"]
+        s = r["samples"]
+
+        def paired(a: str, b: str) -> float:  # speed of a over speed of b
+            return common.median([tb / ta for ta, tb in zip(s[a], s[b])])
+
+        row = {"ranks": r["ranks"], "save_vs_disk_write": paired("pympar save", "disk write"),
+               "load_other_vs_same": paired("pympar load same layout",
+                                            "pympar load other layout")}
+        if "torch DCP save" in s:
+            row["save_vs_torch_dcp"] = paired("pympar save", "torch DCP save")
+            row["load_vs_torch_dcp"] = paired("pympar load same layout", "torch DCP load")
         out.append(row)
     return out
 

@@ -185,7 +185,9 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
     lines = ["## Checkpoint save and load (model + AdamW state, float32)", "",
              f"Median of {data.get('repeats')} interleaved rounds; rate = state bytes / seconds "
              "of the slowest rank. *disk*: one process, same bytes, 8 MiB writes and fsync "
-             "(reads of fresh data come from the page cache, as the loads do).", ""]
+             "(reads of fresh data come from the page cache, as the loads do). Every writing "
+             "variant starts right after its previous output was deleted and synced; the "
+             "ratios below are medians over rounds of the ratio within a round.", ""]
     if not results:
         return lines + ["No results.", ""]
     shown = [v for v in CHECKPOINT_VARIANTS if any(v in r["gbps"] for r in results)]
