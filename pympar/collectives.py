@@ -219,30 +219,42 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Request:
-    """Start the agreement check: one 16-byte Iallreduce (MAX) of ``[s, -s]``.
+def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Request | int:
+    """Start the agreement check; return the token :func:`_settle` finishes it with.
 
-    ``s`` is the plan's signature with the label's folded in, built once per (plan,
-    label). Equal on every rank exactly when ``max == -min``, that is when every rank
-    sent the same ``s``. Started before packing and waited for just before the data
-    call (:func:`_settle`), so its latency overlaps the local work.
+    The call's signature ``s`` is the plan's with the label's folded in, built once per
+    (plan, label). A group on one node writes it (hashed to 32 bits) into its
+    shared-memory board (:mod:`pympar._board`): no message; the token is the word
+    written. Other groups start one 16-byte Iallreduce (MAX) of ``[s, -s]``, equal on
+    every rank exactly when ``max == -min``, that is when every rank sent the same
+    ``s``; the token is its request. Started before packing and finished just before the
+    data call, so that another rank's lateness or the latency overlaps the local work.
     """
     mine = plan.checks.get(name)
     if mine is None:
         s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
-        mine = plan.checks[name] = np.array([s, -s], np.int64).tobytes()
+        mine = plan.checks[name] = (np.array([s, -s], np.int64).tobytes()
+                                    if group._board is None else zlib.crc32(s.to_bytes(8, "little")))
+    board = group._board
+    if board is not None:
+        return board.publish(mine)
     return group.comm.Iallreduce([mine, MPI.INT64_T], [_SEEN, MPI.INT64_T], MPI.MAX)
 
 
-def _settle(group: pympar.group.Group, plan: Plan, request: MPI.Request, name: str | None,
+def _settle(group: pympar.group.Group, plan: Plan, check: MPI.Request | int, name: str | None,
             x: Any) -> None:
     """Finish the check started by :func:`_post`; raise on every rank when ranks differ."""
     timeout = debug.get_timeout() if _hooked else None
-    if timeout is None:
-        request.Wait()
+    board = group._board
+    if board is not None:
+        agreed = board.wait(check, group, plan.shown, timeout)
     else:
-        debug.wait(request, plan.shown, group, timeout, time.monotonic())
-    if _SEEN != plan.checks[name]:
+        if timeout is None:
+            check.Wait()
+        else:
+            debug.wait(check, plan.shown, group, timeout, time.monotonic())
+        agreed = _SEEN == plan.checks[name]
+    if not agreed:
         _mismatch(group, plan.key, name, plan.shown, x)
 
 
@@ -251,7 +263,7 @@ def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> N
     _settle(group, plan, _post(group, plan, name), name, x)
 
 
-#: The check's receive buffer (one check is in flight at a time).
+#: The Iallreduce check's receive buffer (one check is in flight at a time).
 _SEEN = bytearray(16)
 _LABELS: dict[str, int] = {}
 
@@ -336,7 +348,7 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
 
 
 def _move(group: pympar.group.Group, plan: Plan, x: Any, dest: Any, out: Any,
-          check: MPI.Request | None, name: str | None) -> Any:
+          check: MPI.Request | int | None, name: str | None) -> Any:
     """Pack, settle the agreement check (when one was started), call MPI, unpack."""
     numpy = type(x) is np.ndarray
     if dest is None:
