@@ -23,12 +23,14 @@ Notes
 * Agreement, always on: every call first checks that all ranks pass the same operation,
   dtype, extents (those not gathered), axis, sizes, root, op and mapping label (a
   ``PYMPAR_CHECK_BYTES`` threshold leaves out calls moving less, except under a timeout
-  and gathers without ``sizes=``): one 16-byte Iallreduce, started before packing and
-  finished before the data call (folded into the size exchange where there is one). A
-  rank that refuses its ``out=`` joins the check with a signature that cannot match. A
-  mismatch raises the same :class:`~pympar.debug.CollectiveMismatchError` on every rank.
-  ``PYMPAR_DEBUG=1`` compares every call, whatever its size, and names what each rank
-  passed.
+  and gathers without ``sizes=``), started before packing and finished before the data
+  call (folded into the size exchange where there is one). A group whose ranks share a
+  node checks without a message: each rank writes one word (check count, 32-bit
+  signature) into the group's shared-memory window and reads the others'
+  (:mod:`pympar._board`); other groups run one 16-byte Iallreduce. A rank that refuses
+  its ``out=`` joins the check with a signature that cannot match. A mismatch raises the
+  same :class:`~pympar.debug.CollectiveMismatchError` on every rank. ``PYMPAR_DEBUG=1``
+  compares every call, whatever its size, and names what each rank passed.
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
   units of a contiguous derived datatype (gathers, all-to-all) or in chunks
   (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
@@ -68,11 +70,12 @@ INT_MAX = 2**31 - 1
 
 #: Calls whose global array has at least this many bytes are checked for agreement
 #: (``PYMPAR_CHECK_BYTES``, read at import; default 0: every call; every call is checked
-#: under ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG`` whatever this says). The check is one MPI
-#: round trip: a 16-byte Iallreduce + Wait took 2.9 us on 2 ranks (MPICH 5.0.2, 2-core VM),
-#: a median 2.8 us per 1 KiB call and 4 us per 1 MiB call in ``benchmarks/bench_mappings.py``
-#: (1.5-5% of the fastest 1 MiB collectives there). Raise it to trade that for unchecked
-#: small messages.
+#: under ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG`` whatever this says). On one node the check
+#: is a write and a read of shared memory: 0.55 us alone on 2 ranks (MPICH 5.0.2, 2-core
+#: VM), against 2.6 us for the 16-byte Iallreduce + Wait that groups across nodes use; a
+#: median 1.1 us per 1 MiB call in ``benchmarks/bench_mappings.py`` (3.7 us with the
+#: Iallreduce; about 1% of the fastest 1 MiB collectives there). Raise it to trade that for
+#: unchecked small messages.
 CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "0")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
