@@ -229,7 +229,7 @@ class Group:
         return self.comm == MPI.COMM_NULL
 
     def free(self) -> None:
-        """Free the communicator (collective over the group); idempotent."""
+        """Free the communicator and the check's shared window (collective); idempotent."""
         if self._board is not None:
             self._board.free()
             self._board = None

@@ -212,7 +212,8 @@ def test_a_rank_that_skips_a_collective_times_out():
         agree(ok, f"no or wrong timeout: {error!r}")
     else:
         # With the timeout on too: non-blocking collectives only match non-blocking ones,
-        # and a timed call is checked (one small Iallreduce) before its own Iallreduce.
+        # and a timed call is checked (through shared memory, or one small Iallreduce)
+        # before its own Iallreduce.
         with debug_mode(enabled=False, timeout=60.0):
             group.all_reduce(np.ones(3))
         agree(True)
