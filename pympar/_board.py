@@ -14,7 +14,9 @@ words), and the data moves through MPI afterwards, so the check needs no fences.
 
 A rank that never reaches the check leaves the others spinning (politely, yielding the
 core after a short tight spin) until ``PYMPAR_TIMEOUT``; without a timeout they wait for
-ever, as they would in the MPI call the check replaces.
+ever, as they would in the MPI call the check replaces. While it yields, a waiting rank
+also drives MPI's progress engine (one ``Iprobe`` per look), as a waiting MPI call would:
+the rank it waits for may be in a send that needs this rank's earlier receive to progress.
 """
 
 from __future__ import annotations
@@ -94,10 +96,14 @@ class Board:
             seen = slots[q]
             if seen >> 32 == k:
                 return seen
-        yield_core = os.sched_yield
+        yield_core, poke = os.sched_yield, group.comm.Iprobe
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             yield_core()
+            # Drive MPI's progress engine, as a waiting MPI call would: the rank we wait
+            # for may be inside a send that completes only when this rank progresses a
+            # receive it posted earlier (MPICH has no progress thread by default).
+            poke()
             seen = slots[q]
             if seen >> 32 == k:
                 return seen

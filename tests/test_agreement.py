@@ -196,3 +196,38 @@ def test_states_created_and_destroyed_twice(clean_state):
             assert_close(g.all_reduce(x), want, what=f"round {round_} {g.name}")
         manager.destroy_parallel()
         agree(all(g._board is None and g.freed for g in groups), "destroy frees the boards")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_waiting_rank_keeps_mpi_progressing(group):
+    """Rank 2i posted a receive before the check; rank 2i+1 sends before joining it.
+
+    The send (4 MiB: rendezvous, beyond any eager limit) completes only when the receiving
+    rank drives MPI's progress engine, so the check's wait must keep doing so, as a
+    waiting MPI call does. A deadline instead of a blocking send keeps a failure a failure.
+    """
+    p2p = WORLD.Dup()
+    r = WORLD.rank
+    partner = r + 1 if r % 2 == 0 else r - 1
+    data = np.full(1 << 19, float(r))
+    sent = True
+    if partner < WORLD.size and r % 2 == 0:
+        request = p2p.Irecv(data, source=partner)
+        total = group.all_reduce(np.ones(3))
+        request.Wait()
+        ok = bool(np.all(data == partner))
+    elif partner < WORLD.size:
+        time.sleep(0.05)  # the receiver is waiting in the check by now
+        request = p2p.Isend(data, dest=partner)
+        deadline = time.monotonic() + 20.0
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        sent = request.Test()
+        total = group.all_reduce(np.ones(3))
+        request.Wait()
+        ok = True
+    else:
+        total, ok = group.all_reduce(np.ones(3)), True
+    p2p.Free()
+    agree(sent and ok, f"the send did not complete while the receiver waited: {sent}, {ok}")
+    assert_equal(total, np.full(3, float(group.size)), "sum")
