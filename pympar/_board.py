@@ -38,6 +38,8 @@ _ENABLED = True
 #: must not starve the rank they wait for).
 _TIGHT = 200
 _MASK = 0xFFFFFFFF
+# Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
+_YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class Board:
@@ -96,7 +98,7 @@ class Board:
             seen = slots[q]
             if seen >> 32 == k:
                 return seen
-        yield_core, poke = os.sched_yield, group.comm.Iprobe
+        yield_core, poke = _YIELD, group.comm.Iprobe
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             yield_core()

@@ -24,14 +24,13 @@ from pympar.mesh import Mesh
 PATHS = ("shared", "iallreduce")
 
 
-def _one_node() -> bool:
+@pytest.fixture(scope="module")
+def one_node() -> bool:
+    """Whether every rank shares a node (collective: every rank runs the same tests)."""
     node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     together = node.Get_size() == WORLD.Get_size()
     node.Free()
     return together
-
-
-ONE_NODE = _one_node()
 
 
 def make_group(path: str, key: str) -> Group:
@@ -46,10 +45,10 @@ def make_group(path: str, key: str) -> Group:
 
 
 @pytest.fixture(params=PATHS)
-def group(request: pytest.FixtureRequest) -> Iterator[Group]:
+def group(request: pytest.FixtureRequest, one_node: bool) -> Iterator[Group]:
     g = make_group(request.param, request.param)
     # The shared path exactly when every rank shares a node (and there is someone to check).
-    expected = request.param == "shared" and ONE_NODE and g.size > 1
+    expected = request.param == "shared" and one_node and g.size > 1
     agree((g._board is not None) == expected, f"{request.param}: board {g._board}")
     yield g
     g.free()
@@ -183,13 +182,13 @@ def test_a_long_mixed_run_stays_in_step(group):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_states_created_and_destroyed_twice(clean_state):
+def test_states_created_and_destroyed_twice(clean_state, one_node):
     tp = 2 if WORLD.size % 2 == 0 else 1
     for round_ in range(2):
         state = manager.initialize_parallel(tensor_parallel_size=tp)
         groups = [state.tensor, state.data]
         for g in groups:
-            agree((g._board is not None) == (ONE_NODE and g.size > 1), f"{g}: {g._board}")
+            agree((g._board is not None) == (one_node and g.size > 1), f"{g}: {g._board}")
         for g in groups:
             x = np.arange(6.0) * (g.rank + 1) + round_
             want = np.arange(6.0) * (g.size * (g.size + 1) / 2) + round_ * g.size
