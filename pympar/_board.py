@@ -83,15 +83,19 @@ class Board:
         """
         slots, k = self.slots, word >> 32
         lo = (k & 1) * self.size
+        deadline = None  # one deadline for the whole wait, set when a rank is late
         for q in range(lo, lo + self.size):
             seen = slots[q]
             if seen >> 32 != k:
-                seen = self._spin(q, k, group, what, timeout)
+                if deadline is None and timeout is not None:
+                    deadline = time.monotonic() + timeout
+                seen = self._spin(q, k, group, what, timeout, deadline)
             if seen != word:
                 return False
         return True
 
-    def _spin(self, q: int, k: int, group: Any, what: str, timeout: float | None) -> int:
+    def _spin(self, q: int, k: int, group: Any, what: str, timeout: float | None,
+              deadline: float | None) -> int:
         """Poll slot ``q`` until it carries check ``k``: tight first, then yielding the core."""
         slots = self.slots
         for _ in range(_TIGHT):
@@ -99,7 +103,6 @@ class Board:
             if seen >> 32 == k:
                 return seen
         yield_core, poke = _YIELD, group.comm.Iprobe
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             yield_core()
             # Drive MPI's progress engine, as a waiting MPI call would: the rank we wait
