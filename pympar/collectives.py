@@ -236,8 +236,8 @@ def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Reques
     mine = plan.checks.get(name)
     if mine is None:
         s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
-        mine = plan.checks[name] = (np.array([s, -s], np.int64).tobytes()
-                                    if group._board is None else zlib.crc32(s.to_bytes(8, "little")))
+        mine = plan.checks[name] = (np.array([s, -s], np.int64).tobytes() if group._board is None
+                                    else zlib.crc32(s.to_bytes(8, "little")))
     board = group._board
     if board is not None:
         return board.publish(mine)
