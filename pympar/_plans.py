@@ -78,7 +78,7 @@ class Plan:
     lie rank-major in memory, else None. ``work`` is the dtype on the wire (float32 for
     half-precision sums); ``chunk`` splits a single-buffer call whose count MPI-3 cannot
     express. ``key`` is what every rank must pass alike; ``sig`` its checksum, ``checks`` the
-    agreement check's 16 bytes per label (built once); ``nbytes`` the size of the global
+    agreement check's signature per label (built once); ``nbytes`` the size of the global
     array, the same on every rank of a correct call.
     """
 
@@ -88,7 +88,8 @@ class Plan:
 
     def __init__(self, **fields: Any) -> None:
         self.send = self.recv = self.chunk = None
-        self.checks: dict[str | None, bytes] = {}  # label -> the agreement check's bytes
+        # label -> the agreement check's 16 bytes (Iallreduce) or 32-bit signature (shared memory)
+        self.checks: dict[str | None, bytes | int] = {}
         self.tail: tuple = ()
         for name, value in fields.items():
             setattr(self, name, value)

@@ -23,12 +23,14 @@ Notes
 * Agreement, always on: every call first checks that all ranks pass the same operation,
   dtype, extents (those not gathered), axis, sizes, root, op and mapping label (a
   ``PYMPAR_CHECK_BYTES`` threshold leaves out calls moving less, except under a timeout
-  and gathers without ``sizes=``): one 16-byte Iallreduce, started before packing and
-  finished before the data call (folded into the size exchange where there is one). A
-  rank that refuses its ``out=`` joins the check with a signature that cannot match. A
-  mismatch raises the same :class:`~pympar.debug.CollectiveMismatchError` on every rank.
-  ``PYMPAR_DEBUG=1`` compares every call, whatever its size, and names what each rank
-  passed.
+  and gathers without ``sizes=``), started before packing and finished before the data
+  call (folded into the size exchange where there is one). A group whose ranks share a
+  node checks without a message: each rank writes one word (check count, 32-bit
+  signature) into the group's shared-memory window and reads the others'
+  (:mod:`pympar._board`); other groups run one 16-byte Iallreduce. A rank that refuses
+  its ``out=`` joins the check with a signature that cannot match. A mismatch raises the
+  same :class:`~pympar.debug.CollectiveMismatchError` on every rank. ``PYMPAR_DEBUG=1``
+  compares every call, whatever its size, and names what each rank passed.
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
   units of a contiguous derived datatype (gathers, all-to-all) or in chunks
   (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
@@ -68,11 +70,12 @@ INT_MAX = 2**31 - 1
 
 #: Calls whose global array has at least this many bytes are checked for agreement
 #: (``PYMPAR_CHECK_BYTES``, read at import; default 0: every call; every call is checked
-#: under ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG`` whatever this says). The check is one MPI
-#: round trip: a 16-byte Iallreduce + Wait took 2.9 us on 2 ranks (MPICH 5.0.2, 2-core VM),
-#: a median 2.8 us per 1 KiB call and 4 us per 1 MiB call in ``benchmarks/bench_mappings.py``
-#: (1.5-5% of the fastest 1 MiB collectives there). Raise it to trade that for unchecked
-#: small messages.
+#: under ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG`` whatever this says). On one node the check
+#: is a write and a read of shared memory: 0.55 us alone on 2 ranks (MPICH 5.0.2, 2-core
+#: VM), against 2.6 us for the 16-byte Iallreduce + Wait that groups across nodes use; a
+#: median 1.1 us per 1 MiB call in ``benchmarks/bench_mappings.py`` (3.7 us with the
+#: Iallreduce; about 1% of the fastest 1 MiB collectives there). Raise it to trade that for
+#: unchecked small messages.
 CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "0")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -219,30 +222,42 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Request:
-    """Start the agreement check: one 16-byte Iallreduce (MAX) of ``[s, -s]``.
+def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Request | int:
+    """Start the agreement check; return the token :func:`_settle` finishes it with.
 
-    ``s`` is the plan's signature with the label's folded in, built once per (plan,
-    label). Equal on every rank exactly when ``max == -min``, that is when every rank
-    sent the same ``s``. Started before packing and waited for just before the data
-    call (:func:`_settle`), so its latency overlaps the local work.
+    The call's signature ``s`` is the plan's with the label's folded in, built once per
+    (plan, label). A group on one node writes it (hashed to 32 bits) into its
+    shared-memory board (:mod:`pympar._board`): no message; the token is the word
+    written. Other groups start one 16-byte Iallreduce (MAX) of ``[s, -s]``, equal on
+    every rank exactly when ``max == -min``, that is when every rank sent the same
+    ``s``; the token is its request. Started before packing and finished just before the
+    data call, so that another rank's lateness or the latency overlaps the local work.
     """
     mine = plan.checks.get(name)
     if mine is None:
         s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
-        mine = plan.checks[name] = np.array([s, -s], np.int64).tobytes()
+        mine = plan.checks[name] = (np.array([s, -s], np.int64).tobytes() if group._board is None
+                                    else zlib.crc32(s.to_bytes(8, "little")))
+    board = group._board
+    if board is not None:
+        return board.publish(mine)
     return group.comm.Iallreduce([mine, MPI.INT64_T], [_SEEN, MPI.INT64_T], MPI.MAX)
 
 
-def _settle(group: pympar.group.Group, plan: Plan, request: MPI.Request, name: str | None,
+def _settle(group: pympar.group.Group, plan: Plan, check: MPI.Request | int, name: str | None,
             x: Any) -> None:
     """Finish the check started by :func:`_post`; raise on every rank when ranks differ."""
     timeout = debug.get_timeout() if _hooked else None
-    if timeout is None:
-        request.Wait()
+    board = group._board
+    if board is not None:
+        agreed = board.wait(check, group, plan.shown, timeout)
     else:
-        debug.wait(request, plan.shown, group, timeout, time.monotonic())
-    if _SEEN != plan.checks[name]:
+        if timeout is None:
+            check.Wait()
+        else:
+            debug.wait(check, plan.shown, group, timeout, time.monotonic())
+        agreed = _SEEN == plan.checks[name]
+    if not agreed:
         _mismatch(group, plan.key, name, plan.shown, x)
 
 
@@ -251,7 +266,7 @@ def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> N
     _settle(group, plan, _post(group, plan, name), name, x)
 
 
-#: The check's receive buffer (one check is in flight at a time).
+#: The Iallreduce check's receive buffer (one check is in flight at a time).
 _SEEN = bytearray(16)
 _LABELS: dict[str, int] = {}
 
@@ -336,7 +351,7 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
 
 
 def _move(group: pympar.group.Group, plan: Plan, x: Any, dest: Any, out: Any,
-          check: MPI.Request | None, name: str | None) -> Any:
+          check: MPI.Request | int | None, name: str | None) -> Any:
     """Pack, settle the agreement check (when one was started), call MPI, unpack."""
     numpy = type(x) is np.ndarray
     if dest is None:

@@ -54,6 +54,7 @@ __all__ = [
     "check_mapping",
     "parse_bytes",
     "wait",
+    "timeout_error",
 ]
 
 #: Bytes per rank in the signature exchange (fixed, so a timed, non-blocking
@@ -75,7 +76,9 @@ class CollectiveTimeoutError(RuntimeError):
     ----------
     request : mpi4py.MPI.Request or None
         The still pending operation. It completes if the missing ranks join
-        later (``request.Wait()``); until then the group must not be used.
+        later (``request.Wait()``); until then the group must not be used. None when
+        the wait was the shared-memory agreement check of a group on one node
+        (nothing is pending in MPI then).
     """
 
     request: MPI.Request | None = None
@@ -250,14 +253,32 @@ def wait(request: MPI.Request, operation: str, group: Any, timeout: float,
         if request.Test():
             return
         if time.monotonic() >= deadline:
-            error = CollectiveTimeoutError(
-                f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
-                f"on {_where(group, group.rank)} of {group.size}: another rank of the group "
-                f"has not reached it (skipped it, called a different collective, or is "
-                f"stuck); the group's communicator is no longer usable")
-            error.request = request
-            raise error
+            raise timeout_error(operation, group, timeout, request)
         delay = min(2 * delay, 1e-3)
+
+
+def timeout_error(operation: str, group: Any, timeout: float,
+                  request: MPI.Request | None) -> CollectiveTimeoutError:
+    """The error of a collective ``operation`` on ``group`` still pending after ``timeout`` s.
+
+    Parameters
+    ----------
+    operation : str
+        The call in words.
+    group : Group
+        The group it runs on.
+    timeout : float
+        Seconds allowed.
+    request : mpi4py.MPI.Request or None
+        The pending operation (None for the shared-memory agreement check).
+    """
+    error = CollectiveTimeoutError(
+        f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
+        f"on {_where(group, group.rank)} of {group.size}: another rank of the group "
+        f"has not reached it (skipped it, called a different collective, or is "
+        f"stuck); the group's communicator is no longer usable")
+    error.request = request
+    return error
 
 
 def _encode(signature: tuple, display: str) -> np.ndarray:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
+from . import _board
 from . import collectives as _collectives
 
 __all__ = ["Group"]
@@ -50,6 +51,10 @@ class Group:
     group caches MPI counts and scratch buffers, so it is not thread-safe. "Rank" in
     the collectives' arguments (``root``, the order of ``sizes``) is the rank in this
     group, :attr:`rank`, not the global rank.
+
+    Creating a group of more than one rank is collective over ``comm`` (like the
+    ``Comm.Split`` that made it): when all members share a node, the group allocates the
+    small shared-memory window of its agreement check; :meth:`free` releases it.
     """
 
     def __init__(self, comm: MPI.Intracomm, name: str, ranks: Sequence[int],
@@ -69,6 +74,9 @@ class Group:
         # nothing after the first call.
         self._plans: dict[tuple, Any] = {}
         self._buffers: dict[tuple, Any] = {}
+        # The agreement check's shared-memory board when every member shares a node
+        # (collective: every rank creates its groups in the same order); None: Iallreduce.
+        self._board = _board.create(comm)
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank}, size={self.size})"
@@ -221,7 +229,10 @@ class Group:
         return self.comm == MPI.COMM_NULL
 
     def free(self) -> None:
-        """Free the communicator (collective over the group); idempotent."""
+        """Free the communicator and the check's shared window (collective); idempotent."""
+        if self._board is not None:
+            self._board.free()
+            self._board = None
         if self._owns_comm and not self.freed:
             self.comm.Free()
         self.comm = MPI.COMM_NULL

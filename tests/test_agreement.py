@@ -1,0 +1,232 @@
+"""The agreement check on both of its paths: shared memory (a group on one node) and Iallreduce.
+
+A group whose ranks share a node checks through a shared-memory window
+(:mod:`pympar._board`); ``pympar._board._ENABLED = False`` while a group is created
+forces the Iallreduce that groups across nodes use. Both must give the same verdicts,
+raise the same timeout, and keep a long run of correct calls in step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere
+from pympar import _board, collectives, debug, manager, mappings
+from pympar.debug import CollectiveMismatchError, CollectiveTimeoutError, debug_mode
+from pympar.group import Group
+from pympar.mesh import Mesh
+
+PATHS = ("shared", "iallreduce")
+
+
+@pytest.fixture(scope="module")
+def one_node() -> bool:
+    """Whether every rank shares a node (collective: every rank runs the same tests)."""
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    together = node.Get_size() == WORLD.Get_size()
+    node.Free()
+    return together
+
+
+def make_group(path: str, key: str) -> Group:
+    """A world group checking through ``path`` (collective)."""
+    saved = _board._ENABLED
+    _board._ENABLED = path == "shared"
+    try:
+        group = Mesh(WORLD, {"w": WORLD.size}).group("w", key=key)
+    finally:
+        _board._ENABLED = saved
+    return group
+
+
+@pytest.fixture(params=PATHS)
+def group(request: pytest.FixtureRequest, one_node: bool) -> Iterator[Group]:
+    g = make_group(request.param, request.param)
+    # The shared path exactly when every rank shares a node (and there is someone to check).
+    expected = request.param == "shared" and one_node and g.size > 1
+    agree((g._board is not None) == expected, f"{request.param}: board {g._board}")
+    yield g
+    g.free()
+    agree(g._board is None and g.freed, "free releases the board")
+    g.free()  # idempotent
+
+
+@pytest.fixture(autouse=True)
+def switches_off() -> Iterator[None]:
+    debug.disable()
+    debug.set_timeout(None)
+    yield
+    debug.disable()
+    debug.set_timeout(None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_both_paths_give_the_same_verdicts(group):
+    odd = group.rank == 1
+    p = group.size
+    x = np.arange(6.0).reshape(2, 3)
+    raises_everywhere(CollectiveMismatchError, "dtype=int32", group.all_reduce,
+                      x.astype(np.int32 if odd else np.float32))
+    raises_everywhere(CollectiveMismatchError, "root=1", group.broadcast, x, root=int(odd))
+    raises_everywhere(CollectiveMismatchError, "op='max'", group.all_reduce, x,
+                      "max" if odd else "sum")
+    raises_everywhere(CollectiveMismatchError, "op='min'", group.reduce_scatter,
+                      np.ones((p, 3)), 0, None, "min" if odd else "sum")
+    with collectives.label("layer.odd" if odd else "layer.even"):
+        raises_everywhere(CollectiveMismatchError, "layer.odd", group.all_reduce, x)
+    # Two mappings whose collective is the same all-reduce differ by their label.
+    call = mappings.reduce_from_all if odd else mappings.copy_to_all.backward
+    raises_everywhere(CollectiveMismatchError, "reduce_from_all.forward", call, x, group)
+    # An out= that only rank 1 refuses: every rank raises.
+    out = np.empty((3, 3) if odd else (2, 3))
+    raises_everywhere(CollectiveMismatchError, "does not fit", group.all_reduce, x, "sum", out)
+    # A mismatch on the last rank only, against every other rank.
+    last = group.rank == p - 1
+    raises_everywhere(CollectiveMismatchError, r"shape=\(3, 3\)", group.all_reduce,
+                      np.ones((3 if last else 2, 3)))
+    # After the mismatches the ranks are still in step: agreeing calls give NumPy's answer.
+    with debug_mode(enabled=False, timeout=60.0):
+        assert_close(group.all_reduce(x * (group.rank + 1)), x * (p * (p + 1) / 2),
+                     what="timed sum after mismatches")
+    assert_close(group.all_reduce(x * (group.rank + 1)), x * (p * (p + 1) / 2),
+                 what="sum after mismatches")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_that_calls_fewer_collectives_times_out(path):
+    group = make_group(path, "late-" + path)
+    y = np.full(3, 2.0)
+    for _ in range(3):  # calls every rank makes
+        y = group.all_reduce(y) / group.size
+    error, waited = None, 0.0
+    if group.rank == 0:  # one call more than the others
+        start = time.monotonic()
+        with debug_mode(enabled=False, timeout=0.3):
+            try:
+                group.all_reduce(np.ones(3))
+            except CollectiveTimeoutError as err:
+                error = err
+        waited = time.monotonic() - start
+    WORLD.Barrier()
+    if group.rank == 0:
+        ok = (error is not None and 0.25 < waited < 10 and "within 0.3 s" in str(error)
+              and f"all_reduce(shape=(3,), dtype=float64, op='sum') on group '{group.name}'"
+              in str(error) and (error.request is None) == (group._board is not None))
+        # The others join late: the pending check (Iallreduce path), then the data call.
+        if error is not None:
+            if error.request is not None:
+                error.request.Wait()
+            group.comm.Iallreduce(MPI.IN_PLACE, np.ones(3)).Wait()
+        agree(ok, f"no or wrong timeout after {waited:.2f} s: {error!r}")
+    else:
+        with debug_mode(enabled=False, timeout=60.0):
+            group.all_reduce(np.ones(3))
+        agree(True)
+    assert_equal(y, np.full(3, 2.0), "calls before the timeout")
+    group.free()
+
+
+def _reference(i: int, p: int, r: int) -> tuple[list[np.ndarray], str]:
+    """Every rank's input of call ``i`` (seeded) and the operation it runs."""
+    rng = np.random.default_rng(1000 + i)
+    rows = 1 + i % 3
+    return [rng.standard_normal((rows * p + i % 2, 3)) for _ in range(p)], (
+        "all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")[i % 5]
+
+
+def _one_call(group: Group, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Call ``i`` of a long mixed run: (pympar's result, NumPy's)."""
+    p, r = group.size, group.rank
+    inputs, op = _reference(i, p, r)
+    mine = inputs[r]
+    if op == "all_reduce":
+        return group.all_reduce(mine), np.sum(inputs, axis=0)
+    if op == "broadcast":
+        return group.broadcast(mine, root=i % p), inputs[i % p]
+    if op == "all_gather":
+        sizes = tuple(x.shape[0] for x in inputs)
+        return group.all_gather(mine, 0, sizes=sizes), np.concatenate(inputs)
+    if op == "reduce_scatter":
+        return group.reduce_scatter(mine), np.array_split(np.sum(inputs, axis=0), p)[r]
+    blocks = [np.array_split(x, p, axis=0)[r] for x in inputs]
+    return group.all_to_all(mine, 0, 1, sizes=(3,) * p), np.concatenate(blocks, axis=1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_long_mixed_run_stays_in_step(group):
+    """1000 checked calls of five kinds; then the 32-bit check counter wraps around."""
+    worst = 0.0
+    for i in range(1000):
+        got, want = _one_call(group, i)
+        if got.shape != want.shape:
+            worst = np.inf
+            break
+        worst = max(worst, float(np.max(np.abs(got - want), initial=0.0)))
+    agree(worst < 1e-12, f"max error {worst:.3g} over 1000 calls")
+    if group._board is not None:
+        agree(group._board.count == 1000, f"{group._board.count} checks counted")
+        group._board.count = 2**32 - 3  # alike on every rank: the next checks wrap to 0
+    for i in range(6):
+        got, want = _one_call(group, i)
+        assert_close(got, want, what=f"call {i} around the counter's wrap")
+    if group.size > 1:  # a group of one checks nothing
+        x = np.ones(4, np.float32)
+        raises_everywhere(CollectiveMismatchError, "float64", group.all_reduce,
+                          x.astype(np.float64) if group.rank == 0 else x)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_states_created_and_destroyed_twice(clean_state, one_node):
+    tp = 2 if WORLD.size % 2 == 0 else 1
+    for round_ in range(2):
+        state = manager.initialize_parallel(tensor_parallel_size=tp)
+        groups = [state.tensor, state.data]
+        for g in groups:
+            agree((g._board is not None) == (one_node and g.size > 1), f"{g}: {g._board}")
+        for g in groups:
+            x = np.arange(6.0) * (g.rank + 1) + round_
+            want = np.arange(6.0) * (g.size * (g.size + 1) / 2) + round_ * g.size
+            assert_close(g.all_reduce(x), want, what=f"round {round_} {g.name}")
+        manager.destroy_parallel()
+        agree(all(g._board is None and g.freed for g in groups), "destroy frees the boards")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_waiting_rank_keeps_mpi_progressing(group):
+    """Rank 2i posted a receive before the check; rank 2i+1 sends before joining it.
+
+    The send (4 MiB: rendezvous, beyond any eager limit) completes only when the receiving
+    rank drives MPI's progress engine, so the check's wait must keep doing so, as a
+    waiting MPI call does. A deadline instead of a blocking send keeps a failure a failure.
+    """
+    p2p = WORLD.Dup()
+    r = WORLD.rank
+    partner = r + 1 if r % 2 == 0 else r - 1
+    data = np.full(1 << 19, float(r))
+    sent = True
+    if partner < WORLD.size and r % 2 == 0:
+        request = p2p.Irecv(data, source=partner)
+        total = group.all_reduce(np.ones(3))
+        request.Wait()
+        ok = bool(np.all(data == partner))
+    elif partner < WORLD.size:
+        time.sleep(0.05)  # the receiver is waiting in the check by now
+        request = p2p.Isend(data, dest=partner)
+        deadline = time.monotonic() + 20.0
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        sent = request.Test()
+        total = group.all_reduce(np.ones(3))
+        request.Wait()
+        ok = True
+    else:
+        total, ok = group.all_reduce(np.ones(3)), True
+    p2p.Free()
+    agree(sent and ok, f"the send did not complete while the receiver waited: {sent}, {ok}")
+    assert_equal(total, np.full(3, float(group.size)), "sum")
