@@ -16,6 +16,9 @@ of the slowest rank:
 * ``disk write`` / ``disk read``: one process writes the same number of bytes to a new file
   in 8 MiB ``os.write`` calls and ``fsync`` s it, then reads it back (the disk's own figure
   in this run; reads of freshly written data come from the page cache, as for the loads);
+* ``disk write, a file per rank``: every rank writes its share of the bytes to a file of
+  its own the same way, all at once: what the disk gives writers that never meet, the
+  ceiling of any checkpoint writer on these ranks (torch DCP writes this way);
 * ``pympar save`` (:func:`pympar.checkpoint.save`, fsync'd and committed);
 * ``pympar load same layout`` and ``pympar load other layout`` (each weight split along
   its other axis: every rank reads other byte ranges than it wrote);
@@ -54,7 +57,7 @@ from benchmarks import common  # noqa: E402
 from pympar import checkpoint  # noqa: E402
 from pympar.modules import Module, Parameter  # noqa: E402
 from pympar.optim import AdamW  # noqa: E402
-from pympar.partition import Placement, Split  # noqa: E402
+from pympar.partition import Placement, Split, block_slice  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 TENSORS = 8  # weights; each has two Adam moments
@@ -103,9 +106,10 @@ def disk(path: str, nbytes: int, write: bool) -> float:
     return time.perf_counter() - start
 
 
-def remove(comm: MPI.Comm, path: str) -> None:
-    """Delete ``path`` (file or folder, if there) on rank 0 and sync the file system, untimed."""
-    if comm.Get_rank() == 0 and os.path.lexists(path):
+def remove(comm: MPI.Comm, path: str, every_rank: bool = False) -> None:
+    """Delete ``path`` (file or folder, if there) on rank 0 (or each rank its own) and sync
+    the file system, untimed."""
+    if (every_rank or comm.Get_rank() == 0) and os.path.lexists(path):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         os.sync()
     comm.Barrier()
@@ -146,8 +150,15 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
         return comm.bcast(disk(os.path.join(where, "raw"), nbytes, True)
                           if comm.Get_rank() == 0 else None)
 
+    def sample_disk_write_every_rank() -> float:
+        mine = os.path.join(where, f"raw.{comm.Get_rank()}")
+        remove(comm, mine, every_rank=True)
+        share = block_slice(nbytes, ranks, comm.Get_rank())
+        return timed(comm, lambda: disk(mine, share.stop - share.start, True))
+
     samplers = {
         "disk write": sample_disk_write,
+        "disk write, a file per rank": sample_disk_write_every_rank,
         "disk read": lambda: comm.bcast(disk(os.path.join(where, "raw"), nbytes, False)
                                         if comm.Get_rank() == 0 else None),
         "pympar save": sample_save,
@@ -274,7 +285,10 @@ def _ratios(results: list[dict]) -> list[dict]:
         row = {"ranks": r["ranks"], "save_vs_disk_write": paired("pympar save", "disk write"),
                "load_other_vs_same": paired("pympar load same layout",
                                             "pympar load other layout")}
+        row["save_vs_disk_every_rank"] = paired("pympar save", "disk write, a file per rank")
         if "torch DCP save" in s:
+            row["torch_dcp_vs_disk_every_rank"] = paired("torch DCP save",
+                                                         "disk write, a file per rank")
             row["save_vs_torch_dcp"] = paired("pympar save", "torch DCP save")
             row["load_vs_torch_dcp"] = paired("pympar load same layout", "torch DCP load")
         out.append(row)
