@@ -1,10 +1,10 @@
 """The shared-memory board of the agreement check (private to :mod:`pympar.collectives`).
 
 When every rank of a group shares one node, the collectives' agreement check needs no
-message: each rank writes one 64-bit word into an MPI shared-memory window and reads
-every other rank's. The word is ``(k << 32) | sig32``: ``k`` counts the group's checks
-(modulo 2**32, the same on every rank of a correct program) and ``sig32`` is the call's
-32-bit signature. Rank ``r`` writes slot ``(k & 1) * size + r`` and waits until every slot
+message: each rank writes one 64-bit word into memory that the group's ranks map
+together (a file in ``/dev/shm``) and reads every other rank's. The word is
+``(k << 32) | sig32``: ``k`` counts the group's checks (modulo 2**32, the same on every
+rank of a correct program) and ``sig32`` is the call's 32-bit signature. Rank ``r`` writes slot ``(k & 1) * size + r`` and waits until every slot
 of that parity carries ``k``; the ranks agree when every word equals its own.
 
 Why two parities suffice: a rank starts check ``k + 2`` only after every rank wrote its
@@ -21,16 +21,21 @@ the rank it waits for may be in a send that needs this rank's earlier receive to
 
 from __future__ import annotations
 
+import mmap
 import os
+import secrets
 import time
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from . import debug
 
 __all__ = ["Board", "create"]
 
+#: Where the boards' files are made (memory-backed on Linux); without it, no board.
+SHARED_DIR = "/dev/shm"
 #: Whether groups on one node check through shared memory (tests switch it off to force
 #: the Iallreduce path; read when a group is created).
 _ENABLED = True
@@ -38,6 +43,7 @@ _ENABLED = True
 #: must not starve the rank they wait for).
 _TIGHT = 200
 _MASK = 0xFFFFFFFF
+_NAME_BYTES = 256
 # Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
 _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
@@ -47,20 +53,19 @@ class Board:
 
     Parameters
     ----------
-    win : mpi4py.MPI.Win
-        The shared window; rank 0's segment holds ``2 * size`` words.
+    memory : mmap.mmap
+        The shared mapping of ``2 * size`` words (zeroed).
     size, rank : int
         The group's size and this process's rank in it.
     """
 
-    __slots__ = ("win", "slots", "size", "rank", "count")
+    __slots__ = ("memory", "slots", "size", "rank", "count")
 
-    def __init__(self, win: MPI.Win, size: int, rank: int) -> None:
-        self.win, self.size, self.rank = win, size, rank
-        memory, _ = win.Shared_query(0)
+    def __init__(self, memory: mmap.mmap, size: int, rank: int) -> None:
+        self.memory, self.size, self.rank = memory, size, rank
         # A memoryview, not NumPy: indexing it with a Python int costs ~40 ns, a NumPy
         # scalar operation ~1 us.
-        self.slots = memoryview(memory).cast("B").cast("Q")
+        self.slots = memoryview(memory).cast("Q")
         self.count = 0  # checks made; word 0 (all slots at start) never carries k >= 1
 
     def publish(self, sig: int) -> int:
@@ -117,44 +122,68 @@ class Board:
                 raise debug.timeout_error(what, group, timeout, None)
 
     def free(self) -> None:
-        """Free the window (collective over the group)."""
+        """Unmap the slots (local; kept collective-safe for callers that free groups together)."""
         self.slots.release()
-        self.win.Free()
+        self.memory.close()
 
 
 def create(comm: MPI.Intracomm) -> Board | None:
     """The board of ``comm`` when all its ranks share a node, else None (collective).
 
-    Any failure (no shared-memory support, ranks on several nodes) gives None on every
-    rank, so that every rank of the group takes the same path.
+    Rank 0 creates a file of ``2 * size`` words in :data:`SHARED_DIR` (``/dev/shm``, memory
+    only), the others open it by the name it broadcasts, each maps it, and once all have
+    it mapped rank 0 unlinks it: nothing is left behind, even if the job dies later. Any
+    failure (no such directory, ranks on several nodes) gives None on every rank, so that
+    every rank of the group takes the same path. Plain files rather than an MPI shared
+    window: Open MPI's one-sided components print errors on machines without UCX
+    hardware when a window is created, once per rank and group.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1 or not _ENABLED:
+    if size == 1 or not _ENABLED or not os.path.isdir(SHARED_DIR):
         return None
-    win = None
-    try:
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        together = node.Get_size() == size
-        node.Free()
-        if together:
-            win = MPI.Win.Allocate_shared(2 * size * 8 if rank == 0 else 0, 8, comm=comm)
-    except MPI.Exception:
-        win = None
-    board = None
-    if win is not None:
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    together = node.Get_size() == size
+    node.Free()
+    if not together:
+        return None
+    nbytes = 2 * size * 8
+    path = None
+    if rank == 0:
         try:
-            board = Board(win, size, rank)
-            if rank == 0:
-                for i in range(2 * size):
-                    board.slots[i] = 0
-        except (MPI.Exception, ValueError, TypeError):
+            path = os.path.join(SHARED_DIR, f"pympar-board-{os.getpid()}-{secrets.token_hex(8)}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)  # zero-filled
+            finally:
+                os.close(fd)
+        except OSError:
+            path = None
+    name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
+    if path is not None:
+        name[:len(path)] = np.frombuffer(path.encode(), dtype=np.uint8)
+    comm.Bcast(name, root=0)
+    path = bytes(name).rstrip(b"\0").decode() or None
+    board = None
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                board = Board(mmap.mmap(fd, nbytes), size, rank)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
             board = None
     # Every rank takes the shared path or none does; the reduction is also the barrier
-    # that orders rank 0's zeroing before any rank's first word.
-    if not comm.allreduce(board is not None, op=MPI.LAND):
+    # after which nobody opens the file any more.
+    agreed = np.array([board is not None], dtype=np.int32)
+    comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.LAND)
+    if rank == 0 and path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if not agreed[0]:
         if board is not None:
-            board.slots.release()
-        if win is not None:
-            win.Free()
+            board.free()
         return None
     return board

@@ -26,7 +26,7 @@ Notes
   and gathers without ``sizes=``), started before packing and finished before the data
   call (folded into the size exchange where there is one). A group whose ranks share a
   node checks without a message: each rank writes one word (check count, 32-bit
-  signature) into the group's shared-memory window and reads the others'
+  signature) into the group's shared-memory board and reads the others'
   (:mod:`pympar._board`); other groups run one 16-byte Iallreduce. A rank that refuses
   its ``out=`` joins the check with a signature that cannot match. A mismatch raises the
   same :class:`~pympar.debug.CollectiveMismatchError` on every rank. ``PYMPAR_DEBUG=1``

@@ -54,7 +54,7 @@ class Group:
 
     Creating a group of more than one rank is collective over ``comm`` (like the
     ``Comm.Split`` that made it): when all members share a node, the group allocates the
-    small shared-memory window of its agreement check; :meth:`free` releases it.
+    small shared-memory board of its agreement check; :meth:`free` unmaps it.
     """
 
     def __init__(self, comm: MPI.Intracomm, name: str, ranks: Sequence[int],
@@ -229,7 +229,7 @@ class Group:
         return self.comm == MPI.COMM_NULL
 
     def free(self) -> None:
-        """Free the communicator and the check's shared window (collective); idempotent."""
+        """Free the communicator (collective) and unmap the check's board; idempotent."""
         if self._board is not None:
             self._board.free()
             self._board = None

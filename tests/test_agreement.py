@@ -1,6 +1,6 @@
 """The agreement check on both of its paths: shared memory (a group on one node) and Iallreduce.
 
-A group whose ranks share a node checks through a shared-memory window
+A group whose ranks share a node checks through a shared-memory board
 (:mod:`pympar._board`); ``pympar._board._ENABLED = False`` while a group is created
 forces the Iallreduce that groups across nodes use. Both must give the same verdicts,
 raise the same timeout, and keep a long run of correct calls in step.
@@ -8,6 +8,7 @@ raise the same timeout, and keep a long run of correct calls in step.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Iterator
 
@@ -195,6 +196,25 @@ def test_states_created_and_destroyed_twice(clean_state, one_node):
             assert_close(g.all_reduce(x), want, what=f"round {round_} {g.name}")
         manager.destroy_parallel()
         agree(all(g._board is None and g.freed for g in groups), "destroy frees the boards")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_board_leaves_no_file_behind(tmp_path_factory, monkeypatch, one_node):
+    """The board's file is unlinked once every rank has mapped it; the mapping still works."""
+    if not one_node:
+        pytest.skip("the ranks are on several nodes: no board")
+    where = WORLD.bcast(str(tmp_path_factory.mktemp("shm")) if WORLD.rank == 0 else None)
+    monkeypatch.setattr(_board, "SHARED_DIR", where)
+    g = make_group("shared", "leftovers")
+    try:
+        WORLD.Barrier()  # rank 0 unlinks right after the others have mapped the file
+        left = os.listdir(where)
+        x = np.full(3, float(g.rank + 1))
+        y = g.all_reduce(x)
+        agree(g._board is not None and not left and np.array_equal(y, np.full(3, g.size * (
+            g.size + 1) / 2)), f"board {g._board}, files left {left}, sum {y}")
+    finally:
+        g.free()
 
 
 @pytest.mark.mpi(min_size=2)
