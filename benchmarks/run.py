@@ -84,7 +84,7 @@ def plan(quick: bool) -> list[Job]:
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
     return [
         Job("mappings", "bench_mappings.py", 2, "mappings.json",
-            ["--sizes", sizes, "--repeats", "15", "--warmup", "3"]),
+            ["--sizes", sizes, "--repeats", "25", "--warmup", "3"]),
         Job("torch_comm", "bench_torch_comm.py", 2, "torch_comm.json",
             ["--sizes", sizes, "--repeats", "11", "--warmup", "3"]),
         Job("mlp", "bench_mlp.py", 2, "mlp.json",
@@ -97,7 +97,8 @@ def plan(quick: bool) -> list[Job]:
              "--burgers", "600"]),
         Job("attention", "bench_attention.py", 4, "attention.json",
             ["--seq", "4096", "--repeats", "7"], 900),
-        Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--size", "1GiB"], 1800),
+        Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json",
+            ["--size", "1GiB", "--repeats", "5"], 1800),
     ]
 
 
