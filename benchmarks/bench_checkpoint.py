@@ -17,8 +17,9 @@ of the slowest rank:
   in 8 MiB ``os.write`` calls and ``fsync`` s it, then reads it back (the disk's own figure
   in this run; reads of freshly written data come from the page cache, as for the loads);
 * ``disk write, a file per rank``: every rank writes its share of the bytes to a file of
-  its own the same way, all at once: what the disk gives writers that never meet, the
-  ceiling of any checkpoint writer on these ranks (torch DCP writes this way);
+  its own the same way, all at once: what the disk gives writers that never meet and
+  ``fsync`` at the end (torch DCP writes this way; a writer that starts the write-back
+  early, as pympar's save does, can beat it);
 * ``pympar save`` (:func:`pympar.checkpoint.save`, fsync'd and committed);
 * ``pympar load same layout`` and ``pympar load other layout`` (each weight split along
   its other axis: every rank reads other byte ranges than it wrote);
