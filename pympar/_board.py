@@ -139,7 +139,7 @@ def create(comm: MPI.Intracomm) -> Board | None:
     hardware when a window is created, once per rank and group.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1 or not _ENABLED or not os.path.isdir(SHARED_DIR):
+    if size == 1 or not _ENABLED:  # alike on every rank; SHARED_DIR is tried by rank 0
         return None
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     together = node.Get_size() == size
@@ -147,20 +147,21 @@ def create(comm: MPI.Intracomm) -> Board | None:
     if not together:
         return None
     nbytes = 2 * size * 8
-    path = None
+    name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
     if rank == 0:
+        path = os.path.join(SHARED_DIR, f"pympar-board-{os.getpid()}-{secrets.token_hex(8)}")
+        raw = path.encode()
         try:
-            path = os.path.join(SHARED_DIR, f"pympar-board-{os.getpid()}-{secrets.token_hex(8)}")
+            if len(raw) >= _NAME_BYTES:
+                raise OSError(f"{path} is too long to broadcast")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, nbytes)  # zero-filled
             finally:
                 os.close(fd)
+            name[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         except OSError:
-            path = None
-    name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
-    if path is not None:
-        name[:len(path)] = np.frombuffer(path.encode(), dtype=np.uint8)
+            pass  # an empty name: no board anywhere
     comm.Bcast(name, root=0)
     path = bytes(name).rstrip(b"\0").decode() or None
     board = None

@@ -250,3 +250,20 @@ def test_a_waiting_rank_keeps_mpi_progressing(group):
     p2p.Free()
     agree(sent and ok, f"the send did not complete while the receiver waited: {sent}, {ok}")
     assert_equal(total, np.full(3, float(group.size)), "sum")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_shared_directory_falls_back_on_every_rank(monkeypatch):
+    """Without the directory (or with a name too long to send) every rank takes the
+    Iallreduce path, and the check still works."""
+    for where in ("/nonexistent-pympar-dir", "/tmp/" + "x" * 300):
+        monkeypatch.setattr(_board, "SHARED_DIR", where)
+        g = make_group("shared", "fallback")
+        try:
+            y = g.all_reduce(np.full(2, float(g.rank + 1)))
+            agree(g._board is None and np.array_equal(y, np.full(2, g.size * (g.size + 1) / 2)),
+                  f"{where[:30]}: board {g._board}, sum {y}")
+            raises_everywhere(CollectiveMismatchError, "int32", g.all_reduce,
+                              np.ones(2, np.int32 if g.rank == 1 else np.float32))
+        finally:
+            g.free()
