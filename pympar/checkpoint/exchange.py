@@ -68,7 +68,8 @@ def plan(comm: MPI.Intracomm, tensors: list[Any], blocks: list[list[tuple]]) -> 
         live = [(g, lo) for g, lo in pieces if math.prod(s.stop - s.start for s in g)]
         direct = (isinstance(t.array, np.ndarray) and t.array.flags.c_contiguous
                   and t.array.dtype == t.stored and t.array.ndim == d)
-        if d >= 2 and len(live) <= 1 and direct:
+        # Subarray datatypes take int extents: a longer axis keeps the direct writes.
+        if d >= 2 and len(live) <= 1 and direct and max(t.placement.shape) < 2**31:
             mine[at] = 1
             if live:
                 g, lo = live[0]
