@@ -313,7 +313,8 @@ def test_trailing_axis_blocks_are_traded_for_row_slabs(state, shared_dir, monkey
     rng = np.random.default_rng(11)
     fulls = {"wide": rng.standard_normal((5, 23)), "tp": rng.standard_normal((13, 17)),
              "cube": rng.standard_normal((6, 5, 4)).astype(np.float32),
-             "fused": rng.standard_normal((4, 12)), "grid": rng.standard_normal((10, 14))}
+             "fused": rng.standard_normal((4, 12)), "grid": rng.standard_normal((10, 14)),
+             "long": rng.standard_normal((2, 60))}
     places = {"wide": Placement((5, 23), (Split(1, WORLD.size, WORLD.rank),)),
               "tp": Placement((13, 17), (Split.over(state.tensor, 1),)),
               "cube": Placement((6, 5, 4), (Split.over(state.tensor, 2),
@@ -321,7 +322,9 @@ def test_trailing_axis_blocks_are_traded_for_row_slabs(state, shared_dir, monkey
               "fused": Placement((4, 12), (Split.over(state.tensor, 1, stride=3),)),
               # Row blocks too: at 4 ranks a block starts inside a 3-row round.
               "grid": Placement((10, 14), (Split.over(state.context, 0),
-                                           Split.over(state.tensor, 1)))}
+                                           Split.over(state.tensor, 1))),
+              # One row is more than the buffer: written in place, never exchanged.
+              "long": Placement((2, 60), (Split(1, WORLD.size, WORLD.rank),))}
     model = Module()
     for name, place in places.items():
         setattr(model, name, Parameter(place.take(fulls[name]), placement=place))

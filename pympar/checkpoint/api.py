@@ -131,7 +131,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     sums = np.zeros((len(tensors), 2), dtype=np.int64)
 
     # Blocks of short runs (split along a trailing axis) are traded for row slabs first.
-    slabs = attempt(comm, exchange.plan, comm, tensors, blocks)
+    slabs = attempt(comm, exchange.plan, comm, tensors, blocks, buffer.nbytes)
 
     def write_files():
         # Each chunk's write-back starts as soon as it is written and its checksum runs on a

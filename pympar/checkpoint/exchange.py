@@ -49,13 +49,16 @@ def _runs_are_short(shape: tuple[int, ...], box: Box, itemsize: int) -> bool:
     return run < SHORT_RUN_BYTES and run < math.prod(extents) * itemsize
 
 
-def plan(comm: MPI.Intracomm, tensors: list[Any], blocks: list[list[tuple]]) -> list[Any]:
+def plan(comm: MPI.Intracomm, tensors: list[Any], blocks: list[list[tuple]],
+         buffer_bytes: int) -> list[Any]:
     """Per tensor, every rank's ``(global box, local starts)`` to exchange, or None.
 
     ``blocks[i]`` is this rank's list of ``(global box, local box)`` pieces to write of
     tensor ``i`` (replica shares already cut). One all-gather of a fixed-size record per
     tensor (eligible, box bounds, local starts) tells every rank every other rank's box, so
-    that the ranks agree on which tensors to exchange and build matching datatypes.
+    that the ranks agree on which tensors to exchange and build matching datatypes. A
+    tensor whose full row exceeds ``buffer_bytes`` (the staging buffer a round fills) keeps
+    the direct writes, so that a save never holds more than one buffer.
     """
     size = comm.Get_size()
     if size == 1:
@@ -69,7 +72,9 @@ def plan(comm: MPI.Intracomm, tensors: list[Any], blocks: list[list[tuple]]) -> 
         direct = (isinstance(t.array, np.ndarray) and t.array.flags.c_contiguous
                   and t.array.dtype == t.stored and t.array.ndim == d)
         # Subarray datatypes take int extents: a longer axis keeps the direct writes.
-        if d >= 2 and len(live) <= 1 and direct and max(t.placement.shape) < 2**31:
+        fits = (max(t.placement.shape, default=0) < 2**31
+                and math.prod(t.placement.shape[1:]) * t.stored.itemsize <= buffer_bytes)
+        if d >= 2 and len(live) <= 1 and direct and fits:
             mine[at] = 1
             if live:
                 g, lo = live[0]
@@ -113,8 +118,7 @@ def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, b
     """Exchange tensor ``t``'s blocks for row slabs and write this rank's slabs; collective.
 
     ``boxes`` is :func:`plan`'s entry for ``t``; ``fd`` the open file (None when this rank
-    has no rows to write). Each round moves at most a buffer-full of rows (at least one
-    row) into ``buffer``. The Adler-32 contributions of the written slabs go to ``sums``.
+    has no rows to write). Each round moves at most a buffer-full of rows into ``buffer``. The Adler-32 contributions of the written slabs go to ``sums``.
     A failed write does not stop this rank's part in the exchange (the others would wait):
     the first error is returned, to be agreed on afterwards.
     """
@@ -122,7 +126,7 @@ def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, b
     size, rank = comm.Get_size(), comm.Get_rank()
     row_bytes = math.prod(shape[1:]) * itemsize
     total = math.prod(shape) * itemsize
-    rows_per_round = max(buffer.nbytes // max(row_bytes, 1), 1)
+    rows_per_round = max(buffer.nbytes // max(row_bytes, 1), 1)  # plan(): a row fits
     domains = [block_slice(shape[0], size, q) for q in range(size)]
     rounds = max(math.ceil((d.stop - d.start) / rows_per_round) for d in domains)
     base = MPI.BYTE.Create_contiguous(itemsize).Commit()
