@@ -118,9 +118,10 @@ def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, b
     """Exchange tensor ``t``'s blocks for row slabs and write this rank's slabs; collective.
 
     ``boxes`` is :func:`plan`'s entry for ``t``; ``fd`` the open file (None when this rank
-    has no rows to write). Each round moves at most a buffer-full of rows into ``buffer``. The Adler-32 contributions of the written slabs go to ``sums``.
-    A failed write does not stop this rank's part in the exchange (the others would wait):
-    the first error is returned, to be agreed on afterwards.
+    has no rows to write). Each round moves at most a buffer-full of rows into ``buffer``.
+    The Adler-32 contributions of the written slabs go to ``sums``. A failed write does not
+    stop this rank's part in the exchange (the others would wait): the first error is
+    returned, to be agreed on afterwards.
     """
     shape, itemsize = t.placement.shape, t.stored.itemsize
     size, rank = comm.Get_size(), comm.Get_rank()
