@@ -4,8 +4,9 @@ When every rank of a group shares one node, the collectives' agreement check nee
 message: each rank writes one 64-bit word into memory that the group's ranks map
 together (a file in ``/dev/shm``) and reads every other rank's. The word is
 ``(k << 32) | sig32``: ``k`` counts the group's checks (modulo 2**32, the same on every
-rank of a correct program) and ``sig32`` is the call's 32-bit signature. Rank ``r`` writes slot ``(k & 1) * size + r`` and waits until every slot
-of that parity carries ``k``; the ranks agree when every word equals its own.
+rank of a correct program) and ``sig32`` is the call's 32-bit signature. Rank ``r``
+writes slot ``(k & 1) * size + r`` and waits until every slot of that parity carries
+``k``; the ranks agree when every word equals its own.
 
 Why two parities suffice: a rank starts check ``k + 2`` only after every rank wrote its
 word for ``k + 1``, that is after every rank finished reading the words of ``k``. An
