@@ -16,7 +16,9 @@ then pympar first), so drift and cache order effects cancel. Each sample is a ba
 calls between barriers, long enough to time; its time is the slowest rank's. The table
 shows medians over the repeats; ratio and extra are medians of adjacent (raw, pympar)
 pairs; "check" is the cost of the default agreement check (pympar against itself with
-the check off; zero below ``pympar.collectives.CHECK_BYTES``).
+the check off; zero below ``pympar.collectives.CHECK_BYTES``); "floor" is what the bare
+minimum of any check made before the data call costs: raw code preceded by a handshake
+of one word per rank in shared memory, written then polled, without any pympar code.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
 import statistics
 import sys
@@ -36,7 +39,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import timed_parallel  # noqa: E402
-from pympar import collectives, mappings  # noqa: E402
+from pympar import _board, collectives, mappings  # noqa: E402
 from pympar.collectives import balanced_sizes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
 
@@ -44,6 +47,8 @@ WORLD = MPI.COMM_WORLD
 UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6}
 
 Case = tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any]]
+#: Operations that keep a block or return their input: no message, no agreement check.
+LOCAL = ("copy_to_all", "scatter_to_hidden", "scatter_to_sequence")
 
 
 def parse_size(text: str) -> int:
@@ -190,16 +195,50 @@ def cases(group: Any, nbytes: int, dtype: np.dtype) -> list[Case]:
     return out
 
 
+def handshake(comm: MPI.Intracomm) -> Callable[[], None] | None:
+    """A bare agreement handshake on ``comm``'s ranks, or None when they span nodes.
+
+    Each call writes one word per rank into shared memory (the mapping of
+    :mod:`pympar._board`, used here for its memory only) and polls until every rank wrote
+    the same count: the least any check made before a data call can cost, with nothing
+    of pympar's path around it.
+    """
+    board = _board.create(comm)
+    if board is None:
+        return None
+    slots, size, rank = board.slots, comm.Get_size(), comm.Get_rank()
+    count = 0
+
+    def meet() -> None:
+        nonlocal count
+        count = (count + 1) & 0xFFFFFFFF
+        lo = (count & 1) * size
+        slots[lo + rank] = count
+        for q in range(lo, lo + size):
+            polls = 0
+            while slots[q] != count:
+                polls += 1
+                if polls > 1000:  # more ranks than cores: let the others run
+                    os.sched_yield()
+    return meet
+
+
 def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
-            repeats: int, warmup: int) -> dict[str, float]:
-    """Medians over interleaved samples (raw, pympar, pympar unchecked, mpi; then reversed).
+            repeats: int, warmup: int, meet: Callable[[], None] | None) -> dict[str, Any]:
+    """Medians over interleaved samples (raw, pympar, pympar unchecked, floor, mpi; ABBA).
 
     ``ratio`` and ``extra`` are medians of the per-pair ratios and differences of adjacent
     raw and pympar samples, which cancels slow drift of the machine; ``check_us`` the
     median difference between pympar with its default agreement check and pympar with
-    the check switched off (``CHECK_BYTES`` raised above every size).
+    the check switched off (``CHECK_BYTES`` raised above every size); ``floor_us`` the
+    median difference between raw code preceded by ``meet`` (see :func:`handshake`) and
+    raw code alone (None without ``meet``).
     """
-    for fn in (raw, mpi_only, ours):
+    def floor() -> None:
+        meet()
+        raw()
+
+    for fn in (raw, mpi_only, ours) + ((floor,) if meet else ()):
         for _ in range(warmup):
             fn()
     single = timed_parallel(comm, ours, 3)
@@ -214,7 +253,7 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
         finally:
             collectives.CHECK_BYTES = default
 
-    raws, ourss, offs, mpis = [], [], [], []
+    raws, ourss, offs, floors, mpis = [], [], [], [], []
     for i in range(repeats):
         # ABBA: alternate which side runs first, so neither always inherits the
         # caches (or the drift) the other left behind.
@@ -222,7 +261,11 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
             ourss.append(timed_parallel(comm, ours, calls))
             offs.append(unchecked())
             raws.append(timed_parallel(comm, raw, calls))
+            if meet:
+                floors.append(timed_parallel(comm, floor, calls))
         else:
+            if meet:
+                floors.append(timed_parallel(comm, floor, calls))
             raws.append(timed_parallel(comm, raw, calls))
             offs.append(unchecked())
             ourss.append(timed_parallel(comm, ours, calls))
@@ -231,7 +274,8 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
     return {"raw_us": med(raws) * 1e6, "pympar_us": med(ourss) * 1e6, "mpi_us": med(mpis) * 1e6,
             "ratio": med(o / r for o, r in zip(ourss, raws) if r > 0),
             "extra_us": med(o - r for o, r in zip(ourss, raws)) * 1e6,
-            "check_us": med(o - f for o, f in zip(ourss, offs)) * 1e6}
+            "check_us": med(o - f for o, f in zip(ourss, offs)) * 1e6,
+            "floor_us": med(f - r for f, r in zip(floors, raws)) * 1e6 if meet else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,17 +291,21 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     dtype = np.dtype(args.dtype)
     group = Mesh(WORLD, {"w": WORLD.size}).group("w")
+    meet = handshake(group.comm)
     rows = []
     for nbytes in sizes:
         for name, raw, mpi_only, ours in cases(group, nbytes, dtype):
             if args.only not in name:
                 continue
-            timing = measure(group.comm, raw, mpi_only, ours, args.repeats, args.warmup)
-            rows.append({"op": name, "bytes": nbytes, **timing})
+            # The rows that move nothing between ranks are never checked: no floor.
+            communicates = name.split(" ")[0] not in LOCAL
+            timing = measure(group.comm, raw, mpi_only, ours, args.repeats, args.warmup,
+                             meet if communicates else None)
+            rows.append({"op": name, "bytes": nbytes, "communicates": communicates, **timing})
     if WORLD.rank != 0:
         return
     header = f"{'op':40} {'size':>7} {'raw us':>10} {'pympar us':>10} {'ratio':>6} " \
-             f"{'extra us':>9} {'check us':>9} {'mpi us':>10}"
+             f"{'extra us':>9} {'check us':>9} {'floor us':>9} {'mpi us':>10}"
     print(f"# {WORLD.size} ranks, {dtype}, median of {args.repeats}; "
           f"{MPI.Get_library_version().splitlines()[0].strip()}")
     print(header)
@@ -265,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"{row['op']:40} {show_size(row['bytes']):>7} {row['raw_us']:10.1f} "
               f"{row['pympar_us']:10.1f} {row['ratio']:6.3f} {row['extra_us']:9.2f} "
-              f"{row['check_us']:9.2f} {row['mpi_us']:10.1f}")
+              f"{row['check_us']:9.2f} {row['floor_us'] or 0:9.2f} {row['mpi_us']:10.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"ranks": WORLD.size, "dtype": str(dtype), "repeats": args.repeats,

@@ -5,8 +5,9 @@
 ``attention.json``, ``checkpoint.json`` and ``runs.json`` exist in ``folder`` (a missing
 one is skipped) and writes ``results.md`` plus ``mappings.png``, ``torch_comm.png``,
 ``mlp.png``, ``comm_volume.png``, ``attention_memory.png`` and ``checkpoint.png`` there
-(plots only when matplotlib is installed). The sections of the memory, attention and
-checkpoint jobs are in :mod:`benchmarks.report_features`.
+(plots only when matplotlib is installed). The section of the mappings job is in
+:mod:`benchmarks.report_mappings`; those of the memory, attention and checkpoint jobs are in
+:mod:`benchmarks.report_features`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import report_features  # noqa: E402
+from benchmarks import report_features, report_mappings  # noqa: E402
 from benchmarks.report_format import load as _load  # noqa: E402
 from benchmarks.report_format import show_size  # noqa: E402
 from benchmarks.report_format import table as _table  # noqa: E402
@@ -33,8 +34,6 @@ TARGET_EFFICIENCY = 0.95  # serial one core / (2 x TP=2)
 TARGET_SHAPE = (256, 8192)
 #: pympar TP step <= 0.9 x torch DTensor TP step, with and without the input gradient (issue 13).
 TARGET_RATIO_INPUT_GRAD = 0.9
-#: Sizes shown in the compact mappings table.
-KEY_SIZES = (2 ** 10, 2 ** 20, 16 * 2 ** 20)
 #: The JSON files whose ``machine`` record describes the run, first found first.
 MACHINE_FILES = ("mlp.json", "torch_comm.json", "comm_volume_8.json", "comm_volume_27.json",
                  "memory.json", "attention.json", "checkpoint.json")
@@ -78,36 +77,6 @@ def _section_machine(folder: Path) -> list[str]:
                   f"{'ok' if r['ok'] else 'FAILED'}, busy before {r.get('busy_before')}, "
                   f"foreign {r.get('foreign_cpu')}" for r in runs["jobs"]]
     return lines + [""]
-
-
-def _section_mappings(data: dict[str, Any]) -> list[str]:
-    rows = data["rows"]
-    sizes = sorted({r["bytes"] for r in rows})
-    ops = list(dict.fromkeys(r["op"] for r in rows))
-    cell = {(r["op"], r["bytes"]): r for r in rows}
-    lines = ["## Mappings and collectives vs raw mpi4py",
-             "",
-             f"{data.get('ranks')} ranks, {data.get('dtype')}, median of {data.get('repeats')} "
-             f"interleaved samples; {data.get('mpi')}. *raw* is the same operation written by "
-             "hand on the same buffers (mpi4py uppercase call plus any NumPy packing the layout "
-             "needs); ratio = pympar / raw.",
-             ""]
-    key = [s for s in KEY_SIZES if s in sizes]
-    if key:
-        header = ["operation"] + [f"{show_size(s)}: raw us / pympar us / ratio" for s in key]
-        body = []
-        for op in ops:
-            line = [op]
-            for s in key:
-                r = cell.get((op, s))
-                line.append("" if r is None else
-                            f"{r['raw_us']:.1f} / {r['pympar_us']:.1f} / {r['ratio']:.2f}")
-            body.append(line)
-        lines += _table(header, body) + [""]
-    lines += ["Ratio pympar / raw at every size:", ""]
-    body = [[op] + [f"{cell[(op, s)]['ratio']:.2f}" if (op, s) in cell else "" for s in sizes]
-            for op in ops]
-    return lines + _table(["operation"] + [show_size(s) for s in sizes], body) + [""]
 
 
 def _section_torch(data: dict[str, Any]) -> list[str]:
@@ -367,7 +336,7 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
              "figure means and how to reproduce it.", ""]
     lines += _section_machine(folder)
     if mappings:
-        lines += _section_mappings(mappings)
+        lines += report_mappings.section_mappings(mappings)
     if torch_comm:
         lines += _section_torch(torch_comm)
     if mlp:

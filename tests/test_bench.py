@@ -165,6 +165,37 @@ def test_report_from_sample_results(tmp_path):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_report_judges_the_mapping_targets(tmp_path):
+    def row(op, nbytes, raw, ours, check, floor, communicates=True):
+        return {"op": op, "bytes": nbytes, "communicates": communicates, "raw_us": raw,
+                "mpi_us": raw, "pympar_us": ours, "ratio": ours / raw, "extra_us": ours - raw,
+                "check_us": check, "floor_us": floor}
+    rows = [row("all_reduce", 1024, 4.0, 5.0, 0.5, 0.4),
+            row("all_reduce", 2 ** 20, 100.0, 104.0, 3.12, 1.04),
+            row("all_gather axis 0", 2 ** 20, 200.0, 202.0, 2.02, 0.0),
+            row("scatter_to_hidden", 2 ** 20, 10.0, 11.0, 0.0, None, communicates=False)]
+    text = _write(tmp_path, {"mappings.json": {"ranks": 2, "dtype": "float32", "repeats": 3,
+                                               "mpi": "MPI", "rows": rows}})
+    expected = [
+        "- target pympar <= 1.03 x raw from 1 MiB up, rows that communicate: 1 of 2 rows "
+        "within, missed; over: all_reduce at 1 MiB (1.04)",
+        "returned; raw is the bare NumPy slice): 0 of 1 rows within, missed",
+        "- target at most 5 us over raw at 1 KiB: largest 1.00 us, met",
+        "- target agreement check at most 5 us at 1 KiB: largest 0.50 us, met",
+        "- target agreement check at most 2% of the call at 1 MiB: median 2.00%, largest 3.00%, "
+        "missed; over: all_reduce at 1 MiB (3.00%)",
+        "- floor of any check made before the data call, at 1 MiB: median 0.50% of the call, "
+        "largest 1.00% (no target)",
+        "| all_reduce | 0.50 / 0.40 | 3.12 (3.0%) / 1.04 (1.0%) |",
+    ]
+    missing = [line for line in expected if line not in text]
+    assert not missing, f"{missing}\n---\n{text}"
+    assert "| scatter_to_hidden | " in text.split("check / floor")[0], \
+        "a row that moves nothing is timed but has no check column"
+    assert "| scatter_to_hidden |" not in text.split("check / floor")[1]
+
+
+@pytest.mark.mpi(min_size=1)
 def test_torch_is_optional():
     torch, reason = common.import_torch_distributed()
     assert (torch is None) == (reason is not None)
