@@ -63,7 +63,8 @@ if TYPE_CHECKING:  # group.py imports this module
     import pympar.group
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
-           "balanced_sizes", "block_slice", "large_counts_supported", "INT_MAX", "CHECK_BYTES"]
+           "agree", "balanced_sizes", "block_slice", "large_counts_supported", "INT_MAX",
+           "CHECK_BYTES"]
 
 #: The largest count or displacement an MPI-3 (``int``) interface can take.
 INT_MAX = 2**31 - 1
@@ -119,6 +120,59 @@ def label(name: str) -> Iterator[None]:
         yield
     finally:
         _label = saved
+
+
+def _within(name: str | None) -> str | None:
+    """The label the agreement check compares: a mapping's own inside any ``label`` block.
+
+    Statistics keep the mapping's label alone; the check also compares the enclosing
+    block's, so that layers naming themselves (with their sizes) in a block make ranks
+    that built different layers raise even when the collective itself looks alike.
+    """
+    if _label is None:
+        return name
+    return f"{_label}/{name}" if name else _label
+
+
+def agree(group: pympar.group.Group, key: tuple, shown: str) -> None:
+    """Check that every rank of ``group`` reaches this point with an equal ``key``.
+
+    One agreement check of the collectives' own kind (see the module notes), for
+    communication they do not cover, such as a ring of point-to-point messages, or cover
+    too coarsely, such as one flat buffer whose parts every rank must order alike. The
+    check compares the enclosing :func:`label` too. Nothing happens on a group of one
+    rank; ``PYMPAR_CHECK_BYTES`` does not apply.
+
+    Parameters
+    ----------
+    group : Group
+        The ranks that must agree.
+    key : tuple
+        What must be equal on every rank (hashable; shapes, dtypes as strings, flags).
+    shown : str
+        This rank's call in words, for the error message.
+
+    Raises
+    ------
+    pympar.debug.CollectiveMismatchError
+        On every rank, when two ranks' keys (or labels) differ.
+    RuntimeError
+        When ``group`` has been freed.
+    """
+    if group.size == 1:
+        return
+    if group.comm == MPI.COMM_NULL:
+        raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
+                           f"manager.destroy_parallel); use the groups of the current state")
+    plan = group._plans.get(("agree", key))
+    if plan is None:
+        plan = remember(group, ("agree", key), Plan(
+            key=("agree", key), shown=shown, sig=zlib.crc32(repr(key).encode()) & 0x7FFFFFFF))
+    name = _within(None)
+    if debug.is_enabled():
+        debug.verify(group, (plan.key, name), debug.describe(shown, name), None, None)
+    else:
+        _agree(group, plan, name, None)
 
 
 def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
@@ -323,13 +377,13 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
     if not _hooked:
         if checked or plan.nbytes < CHECK_BYTES or group.size == 1:
             return _move(group, plan, x, _dest(group, plan, x, out), out, None, None)
-        name = name or _label
+        name = name if _label is None else _within(name)
         dest = _checked_dest(group, plan, x, out, name, False)
         return _move(group, plan, x, dest, out, _post(group, plan, name), name)
     # Statistics keep the collective's kind under a layer's label ("Linear3D.forward:all_gather"),
     # so that bytes can still be told apart by kind; a mapping's label already says it.
     op = name or (f"{_label}:{plan.key[0]}" if _label else plan.key[0])
-    name = name or _label
+    name = name if _label is None else _within(name)
     check = None
     if group.size == 1:
         dest = _dest(group, plan, x, out)
@@ -498,12 +552,12 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
         masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
         sizes, checked = _gathered_sizes(group, x, ax, sizes, "all_gather",
                                          ("all_gather", masked, x.dtype.str, ax, sizes),
-                                         label or _label)
+                                         _within(label))
     key = ("all_gather", x.shape, x.dtype, axis, sizes)
     plan = group._plans.get(key)
     if plan is None:
         ax = _axis(axis, x.ndim, "all_gather")
-        sizes, _ = _gathered_sizes(group, x, ax, sizes, "all_gather", (), label or _label)
+        sizes, _ = _gathered_sizes(group, x, ax, sizes, "all_gather", (), _within(label))
         shape = x.shape[:ax] + (sum(sizes),) + x.shape[ax + 1:]
         b = Blocks(shape, ax, sizes)
         plan = _new_plan(group, x, "all_gather", out_shape=shape, recv=None if b.lead == 1 else b)
@@ -563,7 +617,7 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
         masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]
         sizes, checked = _gathered_sizes(
             group, x, cat, sizes, "all_to_all",
-            ("all_to_all", masked, x.dtype.str, split_axis, cat, sizes), label or _label)
+            ("all_to_all", masked, x.dtype.str, split_axis, cat, sizes), _within(label))
     key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
     plan = group._plans.get(key)
     if plan is None:
@@ -572,7 +626,7 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
         if split == cat:
             raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both are "
                              f"{split}")
-        sizes, _ = _gathered_sizes(group, x, cat, sizes, "all_to_all", (), label or _label)
+        sizes, _ = _gathered_sizes(group, x, cat, sizes, "all_to_all", (), _within(label))
         split_sizes = balanced_sizes(x.shape[split], group.size)
         shape = list(x.shape)
         shape[split], shape[cat] = split_sizes[group.rank], sum(sizes)
