@@ -18,19 +18,22 @@ Notes
   ``numpy.concatenate`` and ``numpy.array_split``; derived datatypes did the same
   rearrangement no faster here.
 * Sizes: uneven extents follow the balanced rule of ``numpy.array_split``
-  (:mod:`pympar.partition`). Gathering ranks of unknown extents agree on them with one
-  small Allgather, which ``sizes=`` (every rank's extent, in group-rank order) avoids.
-* Agreement, always on: every call first checks that all ranks pass the same operation,
-  dtype, extents (those not gathered), axis, sizes, root, op and mapping label (a
-  ``PYMPAR_CHECK_BYTES`` threshold leaves out calls moving less, except under a timeout
-  and gathers without ``sizes=``), started before packing and finished before the data
-  call (folded into the size exchange where there is one). A group whose ranks share a
-  node checks without a message: each rank writes one word (check count, 32-bit
-  signature) into the group's shared-memory board and reads the others'
-  (:mod:`pympar._board`); other groups run one 16-byte Iallreduce. A rank that refuses
-  its ``out=`` joins the check with a signature that cannot match. A mismatch raises the
-  same :class:`~pympar.debug.CollectiveMismatchError` on every rank. ``PYMPAR_DEBUG=1``
-  compares every call, whatever its size, and names what each rank passed.
+  (:mod:`pympar.partition`). Gathering ranks of unknown extents learn them from the
+  agreement check, which carries every rank's extent; ``sizes=`` (every rank's extent,
+  in group-rank order) spares nothing more than that.
+* Agreement, always on: before its data call every call checks that all ranks pass the
+  same operation, dtype, extents (those not gathered), axis, sizes, root, op and label
+  (the mapping's, inside any :func:`label` block). Every collective uses the same check
+  (:mod:`pympar._board`: shared memory when the group's ranks share a node, else one
+  24-byte Iallgather), started before packing and finished just before the data call,
+  so ranks making different calls always meet in it and raise the same
+  :class:`~pympar.debug.CollectiveMismatchError`, never wait in two different
+  exchanges. A rank that refuses its own arguments (not an array, an unknown op, an
+  ``out`` that does not fit or overlaps the input, ...) joins the check with a signature
+  no call has, so the others raise too. A ``PYMPAR_CHECK_BYTES`` threshold leaves out
+  calls moving less, except under a timeout or debug mode and gathers of unknown
+  extents; with it, a one-rank mistake in a small call can hang. ``PYMPAR_DEBUG=1`` adds
+  a full comparison that names what each rank passed.
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
   units of a contiguous derived datatype (gathers, all-to-all) or in chunks
   (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
@@ -55,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, debug, stats
+from . import _board, backend, debug, stats
 from ._plans import Blocks, Plan, in_units, pack, remember, scratch, unpack
 from .partition import balanced_sizes, block_slice
 
@@ -72,11 +75,10 @@ INT_MAX = 2**31 - 1
 #: Calls whose global array has at least this many bytes are checked for agreement
 #: (``PYMPAR_CHECK_BYTES``, read at import; default 0: every call; every call is checked
 #: under ``PYMPAR_TIMEOUT`` or ``PYMPAR_DEBUG`` whatever this says). On one node the check
-#: is a write and a read of shared memory: 0.55 us alone on 2 ranks (MPICH 5.0.2, 2-core
-#: VM), against 2.6 us for the 16-byte Iallreduce + Wait that groups across nodes use; a
-#: median 1.1 us per 1 MiB call in ``benchmarks/bench_mappings.py`` (3.7 us with the
-#: Iallreduce; about 1% of the fastest 1 MiB collectives there). Raise it to trade that for
-#: unchecked small messages.
+#: is a write and a read of shared memory, 0.7-1.1 us per call on 2 ranks (MPICH 5.0.2,
+#: 2-core VM); across nodes a 24-byte Iallgather. ``benchmarks/bench_mappings.py``
+#: prices it per operation beside its floor (a bare handshake). Raise it to trade that
+#: for unchecked small messages.
 CHECK_BYTES = debug.parse_bytes("PYMPAR_CHECK_BYTES", "0")
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -214,15 +216,26 @@ def _axis(axis: Any, ndim: int, what: str) -> int:
     return axis % ndim
 
 
+def _movable(x: Any, what: str) -> np.dtype:
+    """``x``'s dtype, after refusing one MPI cannot move."""
+    dtype = x.dtype
+    if dtype.kind not in _MOVABLE and dtype != backend.bfloat16:
+        raise TypeError(f"{what}: pympar collectives move bool, integer, float and complex "
+                        f"arrays, not dtype {dtype}")
+    return dtype
+
+
+def _native(x: Any) -> str:
+    """``x``'s dtype in native byte order, as the agreement check compares it."""
+    return x.dtype.newbyteorder("=").str
+
+
 def _new_plan(group: pympar.group.Group, x: Any, what: str, op: Any = _MOVE, **plan: Any) -> Plan:
     """The parts of a plan every operation shares; checks the group and the dtype."""
     if group.comm == MPI.COMM_NULL:
         raise RuntimeError(f"{what}: group {group.name!r} has been freed (Group.free or "
                            f"manager.destroy_parallel); use the groups of the current state")
-    dtype = x.dtype
-    if dtype.kind not in _MOVABLE and dtype != backend.bfloat16:
-        raise TypeError(f"{what}: pympar collectives move bool, integer, float and complex "
-                        f"arrays, not dtype {dtype}")
+    dtype = _movable(x, what)
     native = dtype.newbyteorder("=")
     work, mpi_op = native, None
     if op is not _MOVE:
@@ -276,42 +289,25 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> MPI.Request | int:
-    """Start the agreement check; return the token :func:`_settle` finishes it with.
+def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> int:
+    """Start the agreement check (:mod:`pympar._board`); return the token :func:`_settle` takes.
 
-    The call's signature ``s`` is the plan's with the label's folded in, built once per
-    (plan, label). A group on one node writes it (hashed to 32 bits) into its
-    shared-memory board (:mod:`pympar._board`): no message; the token is the word
-    written. Other groups start one 16-byte Iallreduce (MAX) of ``[s, -s]``, equal on
-    every rank exactly when ``max == -min``, that is when every rank sent the same
-    ``s``; the token is its request. Started before packing and finished just before the
-    data call, so that another rank's lateness or the latency overlaps the local work.
+    The call's signature is the plan's with the label's folded in, hashed to 32 bits and
+    made odd (never :data:`~pympar._board.REFUSED`), built once per (plan, label). Started
+    before packing and finished just before the data call, so that another rank's
+    lateness, or the latency of the message board, overlaps the local work.
     """
-    mine = plan.checks.get(name)
-    if mine is None:
+    sig = plan.checks.get(name)
+    if sig is None:
         s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
-        mine = plan.checks[name] = (np.array([s, -s], np.int64).tobytes() if group._board is None
-                                    else zlib.crc32(s.to_bytes(8, "little")))
-    board = group._board
-    if board is not None:
-        return board.publish(mine)
-    return group.comm.Iallreduce([mine, MPI.INT64_T], [_SEEN, MPI.INT64_T], MPI.MAX)
+        sig = plan.checks[name] = zlib.crc32(s.to_bytes(8, "little")) | 1
+    return group._board.publish(sig)
 
 
-def _settle(group: pympar.group.Group, plan: Plan, check: MPI.Request | int, name: str | None,
-            x: Any) -> None:
+def _settle(group: pympar.group.Group, plan: Plan, token: int, name: str | None, x: Any) -> None:
     """Finish the check started by :func:`_post`; raise on every rank when ranks differ."""
     timeout = debug.get_timeout() if _hooked else None
-    board = group._board
-    if board is not None:
-        agreed = board.wait(check, group, plan.shown, timeout)
-    else:
-        if timeout is None:
-            check.Wait()
-        else:
-            debug.wait(check, plan.shown, group, timeout, time.monotonic())
-        agreed = _SEEN == plan.checks[name]
-    if not agreed:
+    if not group._board.wait(token, group, plan.shown, timeout):
         _mismatch(group, plan.key, name, plan.shown, x)
 
 
@@ -320,8 +316,6 @@ def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> N
     _settle(group, plan, _post(group, plan, name), name, x)
 
 
-#: The Iallreduce check's receive buffer (one check is in flight at a time).
-_SEEN = bytearray(16)
 _LABELS: dict[str, int] = {}
 
 
@@ -336,37 +330,66 @@ def _mismatch(group: pympar.group.Group, key: tuple, name: str | None, shown: st
     raise debug.CollectiveMismatchError(f"ranks of group {group.name!r} disagree on {shown}")
 
 
+def _refuse(group: pympar.group.Group, what: str, error: Exception, name: str | None,
+            others_check: bool) -> None:
+    """Before this rank raises ``error`` about its own arguments, make the others raise too.
+
+    When the other ranks are about to check their call (``others_check``), this rank joins
+    that check with the signature :data:`~pympar._board.REFUSED`, which no call has, so
+    that every rank raises :class:`~pympar.debug.CollectiveMismatchError` naming this
+    rank's reason instead of waiting for it in MPI; when every rank refused, each returns
+    to raise its own error.
+    """
+    board = getattr(group, "_board", None)
+    if not others_check or board is None or group.comm == MPI.COMM_NULL:
+        return
+    shown = f"{what}, refused by this rank: {error}"
+    token = board.publish(_board.REFUSED)
+    if not board.wait(token, group, shown, debug.get_timeout()):
+        _mismatch(group, (what, "refused"), name, shown, None)
+
+
+def _checks_every_call() -> bool:
+    """Whether every call is checked, whatever its size (see :data:`CHECK_BYTES`)."""
+    return CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
+
+
 def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
     """The C-contiguous array MPI (or the unpacking) writes: None for a new result, ``out``
-    itself, or scratch for a non-contiguous ``out``; raises for an ``out`` that does not fit."""
+    itself, or scratch for a non-contiguous ``out``; raises for an ``out`` that does not
+    fit or that overlaps ``x`` (MPI cannot read and write one buffer; ``out`` may be ``x``
+    itself where the operation works in place)."""
     if out is None:
         return None
     if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
+        if out is not x and type(x) is np.ndarray and np.may_share_memory(out, x):
+            raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
+                             f"pass a separate array")
         return out if out.flags.c_contiguous else scratch(group, "dest", out.shape, x.dtype, x)
-    raise (TypeError if type(out) is not type(x) else ValueError)(
-        f"{plan.shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} "
-        f"and dtype {getattr(out, 'dtype', '?')}, expected a {type(x).__name__} of shape "
-        f"{plan.out_shape} and dtype {x.dtype}")
+    raise _unfit(x, out, plan.out_shape, plan.shown)
 
 
-def _checked_dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
-                  full: bool) -> Any:
-    """:func:`_dest`, where a refused ``out`` makes every rank raise, not just this one.
+def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str) -> Exception:
+    """The error of an ``out`` that is not an array of ``x``'s kind and dtype and ``shape``."""
+    return (TypeError if type(out) is not type(x) else ValueError)(
+        f"{shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} and "
+        f"dtype {getattr(out, 'dtype', '?')}, which does not fit: expected a "
+        f"{type(x).__name__} of shape {shape} and dtype {x.dtype}"
+        + (" (-1: the gathered extent)" if -1 in shape else ""))
 
-    The refusing rank joins the check (``full``: debug mode's exchange) with a signature
-    that cannot match, so that the other ranks raise instead of waiting in the data call.
-    """
-    try:
-        return _dest(group, plan, x, out)
-    except (TypeError, ValueError):
-        shown = (f"{plan.shown} with out of shape {getattr(out, 'shape', '?')} and dtype "
-                 f"{getattr(out, 'dtype', '?')} (does not fit)")
-        bad = Plan(key=plan.key + ("out does not fit",), shown=shown, sig=0)
-        if full:
-            debug.verify(group, (bad.key, name), debug.describe(shown, name), None, x)
-        else:
-            _agree(group, bad, name, x)
-        raise
+
+def _claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> int:
+    """What a gather of unknown extents posts about its ``out``: 0 without one, else its
+    extent along ``axis`` plus one, after refusing an ``out`` that cannot fit whatever the
+    extents are (``shape`` is the result's, with -1 along ``axis``)."""
+    if out is None:
+        return 0
+    if (type(out) is type(x) and out.dtype == x.dtype and out.ndim == len(shape)
+            and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
+        if type(x) is np.ndarray and np.may_share_memory(out, x):
+            raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
+        return out.shape[axis] + 1
+    raise _unfit(x, out, shape, shown)
 
 
 def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
@@ -378,24 +401,31 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
         if checked or plan.nbytes < CHECK_BYTES or group.size == 1:
             return _move(group, plan, x, _dest(group, plan, x, out), out, None, None)
         name = name if _label is None else _within(name)
-        dest = _checked_dest(group, plan, x, out, name, False)
+        try:
+            dest = _dest(group, plan, x, out)
+        except (TypeError, ValueError) as err:
+            _refuse(group, plan.key[0], err, name, True)
+            raise
         return _move(group, plan, x, dest, out, _post(group, plan, name), name)
     # Statistics keep the collective's kind under a layer's label ("Linear3D.forward:all_gather"),
     # so that bytes can still be told apart by kind; a mapping's label already says it.
     op = name or (f"{_label}:{plan.key[0]}" if _label else plan.key[0])
     name = name if _label is None else _within(name)
-    check = None
-    if group.size == 1:
+    checks = group.size > 1 and not checked and (plan.nbytes >= CHECK_BYTES
+                                                 or _checks_every_call())
+    try:
         dest = _dest(group, plan, x, out)
-    elif debug.is_enabled():
-        dest = _checked_dest(group, plan, x, out, name, True)
-        debug.verify(group, (plan.key, name), debug.describe(plan.shown, name), out, x)
-    else:
-        if checked:
-            dest = _dest(group, plan, x, out)
+    except (TypeError, ValueError) as err:
+        _refuse(group, plan.key[0], err, name, checks)
+        raise
+    check = None
+    if checks:
+        if debug.is_enabled():  # the check every call makes, then the full comparison
+            _agree(group, plan, name, x)
         else:
-            dest = _checked_dest(group, plan, x, out, name, False)
             check = _post(group, plan, name)
+    if group.size > 1 and debug.is_enabled():
+        debug.verify(group, (plan.key, name), debug.describe(plan.shown, name), out, x)
     if not stats.is_recording():
         return _move(group, plan, x, dest, out, check, name)
     start = time.perf_counter()
@@ -471,130 +501,157 @@ def _args(plan: Plan, send: Any, recv: Any) -> tuple:
 def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = None,
                label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_reduce`; ``label`` names the caller."""
-    x = _array(x, "all_reduce")
-    key = ("all_reduce", x.shape, x.dtype, op)
-    plan = group._plans.get(key)
-    if plan is None:
-        plan = _new_plan(group, x, "all_reduce", op, out_shape=x.shape, method="Allreduce")
-        plan.send_spec = plan.recv_spec = (plan.mpi_type,)
-        plan.tail = (plan.op,)
-        plan.key = ("all_reduce", x.shape, plan.work.str, op)
-        plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
-        _finish(group, plan, key, x.shape, (x.size,))
+    try:
+        x = _array(x, "all_reduce")
+        key = ("all_reduce", x.shape, x.dtype, op)
+        plan = group._plans.get(key)
+        if plan is None:
+            plan = _new_plan(group, x, "all_reduce", op, out_shape=x.shape, method="Allreduce")
+            plan.send_spec = plan.recv_spec = (plan.mpi_type,)
+            plan.tail = (plan.op,)
+            plan.key = ("all_reduce", x.shape, _native(x), op)
+            plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
+            _finish(group, plan, key, x.shape, (x.size,))
+    except (TypeError, ValueError) as err:
+        _refuse(group, "all_reduce", err, _within(label), _checks_every_call())
+        raise
     return _run(group, plan, x, out, label)
 
 
 def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
               label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.broadcast`; ``label`` names the caller."""
-    x = _array(x, "broadcast")
-    key = ("broadcast", x.shape, x.dtype, root)
-    plan = group._plans.get(key)
-    if plan is None:
-        root = _index(root, "broadcast", "root")
-        if not 0 <= root < group.size:
-            raise ValueError(f"broadcast: root {root} is not a rank of group {group.name!r} "
-                             f"of size {group.size} (root is a rank in the group)")
-        plan = _new_plan(group, x, "broadcast", out_shape=x.shape, method="Bcast", tail=(root,))
-        plan.recv_spec = (plan.mpi_type,)
-        plan.key = ("broadcast", x.shape, plan.work.str, root)
-        plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
-        _finish(group, plan, key, x.shape, (x.size,))
+    try:
+        x = _array(x, "broadcast")
+        key = ("broadcast", x.shape, x.dtype, root)
+        plan = group._plans.get(key)
+        if plan is None:
+            root = _index(root, "broadcast", "root")
+            if not 0 <= root < group.size:
+                raise ValueError(f"broadcast: root {root} is not a rank of group {group.name!r} "
+                                 f"of size {group.size} (root is a rank in the group)")
+            plan = _new_plan(group, x, "broadcast", out_shape=x.shape, method="Bcast",
+                             tail=(root,))
+            plan.recv_spec = (plan.mpi_type,)
+            plan.key = ("broadcast", x.shape, _native(x), root)
+            plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
+            _finish(group, plan, key, x.shape, (x.size,))
+    except (TypeError, ValueError) as err:
+        _refuse(group, "broadcast", err, _within(label), _checks_every_call())
+        raise
     return _run(group, plan, x, out, label)
 
 
-def _gathered_sizes(group: pympar.group.Group, x: Any, axis: int, sizes: Any, what: str, key: tuple,
-                    name: str | None) -> tuple[tuple[int, ...], bool]:
+def _gathered_sizes(group: pympar.group.Group, x: Any, axis: int, sizes: Any, what: str,
+                    key: tuple, name: str | None, claim: int = 0) -> tuple[tuple[int, ...], bool]:
     """Every rank's extent along ``axis`` and whether the ranks already agreed on the call.
 
-    Without ``sizes`` one small Allgather carries each rank's extent and the checksum of
-    the rest of its call, so it also serves as the agreement check.
+    Without ``sizes`` every rank's extent travels with the agreement check of the call
+    (``key``, the call with this axis's extent masked), together with each rank's
+    ``claim`` (see :func:`_claim`): an ``out`` that does not fit the gathered extent on
+    any rank makes every rank raise.
     """
     extent = x.shape[axis]
     if sizes is not None:
         sizes = tuple(_index(s, what, "sizes[i]") for s in sizes)
         if len(sizes) == group.size and sizes[group.rank] == extent:
             return sizes, False
-        shown = f"{what}(shape={x.shape}, axis={axis}, sizes={sizes}, sizes fit: False)"
-        # Join the check the other ranks are about to make, with a key that cannot match,
-        # so that they raise too instead of waiting for this rank.
-        bad = Plan(key=key + ("sizes do not fit",), shown=shown, sig=0)
-        nbytes = sum(sizes) * math.prod(x.shape[:axis] + x.shape[axis + 1:]) * x.itemsize
-        if group.size > 1 and debug.is_enabled():
-            debug.verify(group, (bad.key, name), debug.describe(shown, name), None, x)
-        elif group.size > 1 and (debug.get_timeout() is not None or nbytes >= CHECK_BYTES):
-            _agree(group, bad, name, x)
-        raise ValueError(f"{shown} on group {group.name!r}: sizes (every rank's extent along "
+        raise ValueError(f"{what}(shape={x.shape}, axis={axis}, sizes={sizes}, sizes fit: "
+                         f"False) on group {group.name!r}: sizes (every rank's extent along "
                          f"the axis, in group-rank order) do not fit {group.size} ranks with "
                          f"this rank ({group.rank}) holding {extent}")
     if group.size == 1:
         return (extent,), True
     if group.comm == MPI.COMM_NULL:
         _new_plan(group, x, what)  # raises: the group is freed
-    s = zlib.crc32(repr((key, name)).encode())
-    table = np.empty((group.size, 2), np.int64)
-    _mpi(group, "Allgather", ([np.array([extent, s], np.int64), MPI.INT64_T],
-                              [table, MPI.INT64_T]), f"{what} (agreeing sizes)")
-    if (table[:, 1] != s).any():
-        _mismatch(group, key, name, f"{what}(shape={x.shape}, dtype={x.dtype}, axis={axis})", x)
-    return tuple(table[:, 0].tolist()), True
+    if max(extent, claim) >= _board.MAX_EXTENT:
+        raise ValueError(f"{what}: an extent of {extent} along axis {axis} needs sizes= "
+                         f"(every rank's extent)")
+    shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={axis})"
+    board = group._board
+    token = board.publish(zlib.crc32(repr((key, name)).encode()) | 1, extent, claim, True)
+    timeout = debug.get_timeout() if _hooked else None
+    if not board.wait(token, group, shown, timeout):
+        _mismatch(group, key, name, shown, x)
+    extents, claims = board.extents(token, group, shown, timeout)
+    total = sum(extents)
+    wrong = [q for q, c in enumerate(claims) if c and c - 1 != total]
+    if wrong:
+        raise debug.CollectiveMismatchError(
+            f"{shown} on group {group.name!r}: the out of rank(s) {wrong} has "
+            f"{[claims[q] - 1 for q in wrong]} along the gathered axis, but the ranks' "
+            f"blocks add up to {total}; every rank raises")
+    return tuple(extents), True
 
 
 def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
                sizes: Sequence[int] | None = None, label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_gather`; ``label`` names the caller."""
-    x = _array(x, "all_gather")
-    checked = False
-    if type(sizes) is not tuple or not x.ndim:
-        if not x.ndim:
-            raise ValueError("all_gather needs an array of at least one dimension")
-        ax = _axis(axis, x.ndim, "all_gather")
-        masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
-        sizes, checked = _gathered_sizes(group, x, ax, sizes, "all_gather",
-                                         ("all_gather", masked, x.dtype.str, ax, sizes),
-                                         _within(label))
-    key = ("all_gather", x.shape, x.dtype, axis, sizes)
-    plan = group._plans.get(key)
-    if plan is None:
-        ax = _axis(axis, x.ndim, "all_gather")
-        sizes, _ = _gathered_sizes(group, x, ax, sizes, "all_gather", (), _within(label))
-        shape = x.shape[:ax] + (sum(sizes),) + x.shape[ax + 1:]
-        b = Blocks(shape, ax, sizes)
-        plan = _new_plan(group, x, "all_gather", out_shape=shape, recv=None if b.lead == 1 else b)
-        plan.method = "Allgather" if b.even else "Allgatherv"
-        plan.send_spec = (plan.mpi_type,)
-        plan.recv_spec = (plan.mpi_type,) if b.even else ((b.counts, b.displs), plan.mpi_type)
-        plan.key = ("all_gather", shape[:ax] + (-1,) + shape[ax + 1:], plan.work.str, ax, sizes)
-        plan.shown = f"all_gather(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes={sizes})"
-        _finish(group, plan, key, shape, b.counts + b.displs)
+    unknown, checked = sizes is None, False
+    try:
+        x = _array(x, "all_gather")
+        if type(sizes) is not tuple or not x.ndim:
+            if not x.ndim:
+                raise ValueError("all_gather needs an array of at least one dimension")
+            ax = _axis(axis, x.ndim, "all_gather")
+            masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
+            claim = _claim(x, out, ax, masked, "all_gather") if unknown else 0
+            _movable(x, "all_gather")
+            sizes, checked = _gathered_sizes(group, x, ax, sizes, "all_gather",
+                                             ("all_gather", masked, _native(x), ax, sizes),
+                                             _within(label), claim)
+        key = ("all_gather", x.shape, x.dtype, axis, sizes)
+        plan = group._plans.get(key)
+        if plan is None:
+            ax = _axis(axis, x.ndim, "all_gather")
+            sizes, _ = _gathered_sizes(group, x, ax, sizes, "all_gather", (), None)
+            shape = x.shape[:ax] + (sum(sizes),) + x.shape[ax + 1:]
+            b = Blocks(shape, ax, sizes)
+            plan = _new_plan(group, x, "all_gather", out_shape=shape,
+                             recv=None if b.lead == 1 else b)
+            plan.method = "Allgather" if b.even else "Allgatherv"
+            plan.send_spec = (plan.mpi_type,)
+            plan.recv_spec = (plan.mpi_type,) if b.even else ((b.counts, b.displs), plan.mpi_type)
+            plan.key = ("all_gather", shape[:ax] + (-1,) + shape[ax + 1:], _native(x), ax, sizes)
+            plan.shown = f"all_gather(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes={sizes})"
+            _finish(group, plan, key, shape, b.counts + b.displs)
+    except (TypeError, ValueError) as err:
+        if not checked:  # after the exchange, every rank raises alike
+            _refuse(group, "all_gather", err, _within(label), unknown or _checks_every_call())
+        raise
     return _run(group, plan, x, out, label, checked)
 
 
 def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
                    op: str = "sum", label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.reduce_scatter`; ``label`` names the caller."""
-    x = _array(x, "reduce_scatter")
-    key = ("reduce_scatter", x.shape, x.dtype, axis, op)
-    plan = group._plans.get(key)
-    if plan is None:
-        if not x.ndim:
-            raise ValueError("reduce_scatter needs an array of at least one dimension")
-        ax = _axis(axis, x.ndim, "reduce_scatter")
-        sizes = balanced_sizes(x.shape[ax], group.size)
-        b = Blocks(x.shape, ax, sizes)
-        shape = x.shape[:ax] + (sizes[group.rank],) + x.shape[ax + 1:]
-        plan = _new_plan(group, x, "reduce_scatter", op, out_shape=shape,
-                         send=None if b.lead == 1 else b)
-        plan.method = "Reduce_scatter_block" if b.even else "Reduce_scatter"
-        plan.send_spec = plan.recv_spec = (plan.mpi_type,)
-        plan.tail = (plan.op,) if b.even else (b.counts, plan.op)
-        plan.key = ("reduce_scatter", x.shape, plan.work.str, ax, op)
-        plan.shown = f"reduce_scatter(shape={x.shape}, dtype={x.dtype}, axis={ax}, op={op!r})"
-        if x.size > INT_MAX and not large_counts_supported() and group.size > 1:
-            # Built-in reductions refuse derived datatypes: reduce it all, keep my block.
-            plan.method = None
-            plan.tail = (slice(None),) * ax + (block_slice(x.shape[ax], group.size, group.rank),)
-        _finish(group, plan, key, x.shape, ())
+    try:
+        x = _array(x, "reduce_scatter")
+        key = ("reduce_scatter", x.shape, x.dtype, axis, op)
+        plan = group._plans.get(key)
+        if plan is None:
+            if not x.ndim:
+                raise ValueError("reduce_scatter needs an array of at least one dimension")
+            ax = _axis(axis, x.ndim, "reduce_scatter")
+            sizes = balanced_sizes(x.shape[ax], group.size)
+            b = Blocks(x.shape, ax, sizes)
+            shape = x.shape[:ax] + (sizes[group.rank],) + x.shape[ax + 1:]
+            plan = _new_plan(group, x, "reduce_scatter", op, out_shape=shape,
+                             send=None if b.lead == 1 else b)
+            plan.method = "Reduce_scatter_block" if b.even else "Reduce_scatter"
+            plan.send_spec = plan.recv_spec = (plan.mpi_type,)
+            plan.tail = (plan.op,) if b.even else (b.counts, plan.op)
+            plan.key = ("reduce_scatter", x.shape, _native(x), ax, op)
+            plan.shown = f"reduce_scatter(shape={x.shape}, dtype={x.dtype}, axis={ax}, op={op!r})"
+            if x.size > INT_MAX and not large_counts_supported() and group.size > 1:
+                # Built-in reductions refuse derived datatypes: reduce it all, keep my block.
+                plan.method = None
+                plan.tail = (slice(None),) * ax + (block_slice(x.shape[ax], group.size,
+                                                               group.rank),)
+            _finish(group, plan, key, x.shape, ())
+    except (TypeError, ValueError) as err:
+        _refuse(group, "reduce_scatter", err, _within(label), _checks_every_call())
+        raise
     if plan.method is None:
         mine = all_reduce(group, x, op, None, label)[plan.tail]
         if out is None:
@@ -608,43 +665,59 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
                out: Any = None, sizes: Sequence[int] | None = None,
                label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_to_all`; ``label`` names the caller."""
-    x = _array(x, "all_to_all")
-    checked = False
-    if type(sizes) is not tuple:
-        if not x.ndim:
-            raise ValueError("all_to_all needs an array of at least one dimension")
-        cat = _axis(concat_axis, x.ndim, "all_to_all")
-        masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]
-        sizes, checked = _gathered_sizes(
-            group, x, cat, sizes, "all_to_all",
-            ("all_to_all", masked, x.dtype.str, split_axis, cat, sizes), _within(label))
-    key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
-    plan = group._plans.get(key)
-    if plan is None:
-        split = _axis(split_axis, x.ndim, "all_to_all")
-        cat = _axis(concat_axis, x.ndim, "all_to_all")
-        if split == cat:
-            raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both are "
-                             f"{split}")
-        sizes, _ = _gathered_sizes(group, x, cat, sizes, "all_to_all", (), _within(label))
-        split_sizes = balanced_sizes(x.shape[split], group.size)
-        shape = list(x.shape)
-        shape[split], shape[cat] = split_sizes[group.rank], sum(sizes)
-        sb, rb = Blocks(x.shape, split, split_sizes), Blocks(tuple(shape), cat, sizes)
-        plan = _new_plan(group, x, "all_to_all", out_shape=tuple(shape),
-                         send=None if sb.lead == 1 else sb, recv=None if rb.lead == 1 else rb)
-        t = plan.mpi_type
-        if sb.even and rb.even and sb.counts[0] == rb.counts[0]:
-            plan.method, plan.send_spec, plan.recv_spec = "Alltoall", (t,), (t,)
-        else:
-            plan.method = "Alltoallv"
-            plan.send_spec = ((sb.counts, sb.displs), t)
-            plan.recv_spec = ((rb.counts, rb.displs), t)
-        global_shape = list(x.shape)
-        global_shape[cat] = -1
-        plan.key = ("all_to_all", tuple(global_shape), plan.work.str, split, cat, sizes)
-        plan.shown = (f"all_to_all(shape={x.shape}, dtype={x.dtype}, split_axis={split}, "
-                      f"concat_axis={cat}, sizes={sizes})")
-        _finish(group, plan, key, tuple(global_shape[:cat]) + (sum(sizes),) + x.shape[cat + 1:],
-                sb.counts + sb.displs + rb.counts + rb.displs)
+    unknown, checked = sizes is None, False
+    try:
+        x = _array(x, "all_to_all")
+        if type(sizes) is not tuple:
+            if not x.ndim:
+                raise ValueError("all_to_all needs an array of at least one dimension")
+            split = _axis(split_axis, x.ndim, "all_to_all")
+            cat = _axis(concat_axis, x.ndim, "all_to_all")
+            if split == cat:
+                raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both "
+                                 f"are {split}")
+            masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]
+            claim = 0
+            if unknown:
+                mine = list(masked)
+                mine[split] = balanced_sizes(x.shape[split], group.size)[group.rank]
+                claim = _claim(x, out, cat, tuple(mine), "all_to_all")
+            _movable(x, "all_to_all")
+            sizes, checked = _gathered_sizes(
+                group, x, cat, sizes, "all_to_all",
+                ("all_to_all", masked, _native(x), split, cat, sizes), _within(label), claim)
+        key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
+        plan = group._plans.get(key)
+        if plan is None:
+            split = _axis(split_axis, x.ndim, "all_to_all")
+            cat = _axis(concat_axis, x.ndim, "all_to_all")
+            if split == cat:
+                raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both "
+                                 f"are {split}")
+            sizes, _ = _gathered_sizes(group, x, cat, sizes, "all_to_all", (), None)
+            split_sizes = balanced_sizes(x.shape[split], group.size)
+            shape = list(x.shape)
+            shape[split], shape[cat] = split_sizes[group.rank], sum(sizes)
+            sb, rb = Blocks(x.shape, split, split_sizes), Blocks(tuple(shape), cat, sizes)
+            plan = _new_plan(group, x, "all_to_all", out_shape=tuple(shape),
+                             send=None if sb.lead == 1 else sb, recv=None if rb.lead == 1 else rb)
+            t = plan.mpi_type
+            if sb.even and rb.even and sb.counts[0] == rb.counts[0]:
+                plan.method, plan.send_spec, plan.recv_spec = "Alltoall", (t,), (t,)
+            else:
+                plan.method = "Alltoallv"
+                plan.send_spec = ((sb.counts, sb.displs), t)
+                plan.recv_spec = ((rb.counts, rb.displs), t)
+            global_shape = list(x.shape)
+            global_shape[cat] = -1
+            plan.key = ("all_to_all", tuple(global_shape), _native(x), split, cat, sizes)
+            plan.shown = (f"all_to_all(shape={x.shape}, dtype={x.dtype}, split_axis={split}, "
+                          f"concat_axis={cat}, sizes={sizes})")
+            _finish(group, plan, key,
+                    tuple(global_shape[:cat]) + (sum(sizes),) + x.shape[cat + 1:],
+                    sb.counts + sb.displs + rb.counts + rb.displs)
+    except (TypeError, ValueError) as err:
+        if not checked:  # after the exchange, every rank raises alike
+            _refuse(group, "all_to_all", err, _within(label), unknown or _checks_every_call())
+        raise
     return _run(group, plan, x, out, label, checked)

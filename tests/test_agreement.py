@@ -1,8 +1,8 @@
-"""The agreement check on both of its paths: shared memory (a group on one node) and Iallreduce.
+"""The agreement check on both of its paths: shared memory (a group on one node) and messages.
 
 A group whose ranks share a node checks through a shared-memory board
 (:mod:`pympar._board`); ``pympar._board._ENABLED = False`` while a group is created
-forces the Iallreduce that groups across nodes use. Both must give the same verdicts,
+forces the Iallgather that groups across nodes use. Both must give the same verdicts,
 raise the same timeout, and keep a long run of correct calls in step.
 """
 
@@ -22,7 +22,7 @@ from pympar.debug import CollectiveMismatchError, CollectiveTimeoutError, debug_
 from pympar.group import Group
 from pympar.mesh import Mesh
 
-PATHS = ("shared", "iallreduce")
+PATHS = ("shared", "messages")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def group(request: pytest.FixtureRequest, one_node: bool) -> Iterator[Group]:
     g = make_group(request.param, request.param)
     # The shared path exactly when every rank shares a node (and there is someone to check).
     expected = request.param == "shared" and one_node and g.size > 1
-    agree((g._board is not None) == expected, f"{request.param}: board {g._board}")
+    agree((g._board is not None and g._board.shared) == expected,
+          f"{request.param}: board {g._board}")
     yield g
     g.free()
     agree(g._board is None and g.freed, "free releases the board")
@@ -119,8 +120,8 @@ def test_a_rank_that_calls_fewer_collectives_times_out(path):
         ok = (error is not None and 0.25 < waited < 10 and "within 0.3 s" in str(error)
               and f"all_reduce(shape=(3,), dtype=float64, op='sum') on group '{group.name}'"
               in str(error) and "rank 0 (global 0)" in str(error)
-              and (error.request is None) == (group._board is not None))
-        # The others join late: the pending check (Iallreduce path), then the data call.
+              and (error.request is None) == group._board.shared)
+        # The others join late: the pending check (message path), then the data call.
         if error is not None:
             if error.request is not None:
                 error.request.Wait()
@@ -164,7 +165,7 @@ def _one_call(group: Group, i: int) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.mpi(min_size=1)
 def test_a_long_mixed_run_stays_in_step(group):
-    """1000 checked calls of five kinds; then the 32-bit check counter wraps around."""
+    """1000 checked calls of five kinds; then the 24-bit check counter wraps around."""
     worst = 0.0
     for i in range(1000):
         got, want = _one_call(group, i)
@@ -173,9 +174,9 @@ def test_a_long_mixed_run_stays_in_step(group):
             break
         worst = max(worst, float(np.max(np.abs(got - want), initial=0.0)))
     agree(worst < 1e-12, f"max error {worst:.3g} over 1000 calls")
-    if group._board is not None:
+    if group._board is not None and group._board.shared:
         agree(group._board.count == 1000, f"{group._board.count} checks counted")
-        group._board.count = 2**32 - 3  # alike on every rank: the next checks wrap to 0
+        group._board.count = 2**24 - 3  # alike on every rank: the next checks wrap to 0
     for i in range(6):
         got, want = _one_call(group, i)
         assert_close(got, want, what=f"call {i} around the counter's wrap")
@@ -192,7 +193,8 @@ def test_states_created_and_destroyed_twice(clean_state, one_node):
         state = manager.initialize_parallel(tensor_parallel_size=tp)
         groups = [state.tensor, state.data]
         for g in groups:
-            agree((g._board is not None) == (one_node and g.size > 1), f"{g}: {g._board}")
+            shared = g._board is not None and g._board.shared
+            agree(shared == (one_node and g.size > 1), f"{g}: {g._board}")
         for g in groups:
             x = np.arange(6.0) * (g.rank + 1) + round_
             want = np.arange(6.0) * (g.size * (g.size + 1) / 2) + round_ * g.size
@@ -214,7 +216,7 @@ def test_a_board_leaves_no_file_behind(tmp_path_factory, monkeypatch, one_node):
         left = os.listdir(where)
         x = np.full(3, float(g.rank + 1))
         y = g.all_reduce(x)
-        agree(g._board is not None and not left and np.array_equal(y, np.full(3, g.size * (
+        agree(g._board.shared and not left and np.array_equal(y, np.full(3, g.size * (
             g.size + 1) / 2)), f"board {g._board}, files left {left}, sum {y}")
     finally:
         g.free()
@@ -258,15 +260,90 @@ def test_a_waiting_rank_keeps_mpi_progressing(group):
 @pytest.mark.mpi(min_size=2)
 def test_no_shared_directory_falls_back_on_every_rank(monkeypatch):
     """Without the directory (or with a name too long to send) every rank takes the
-    Iallreduce path, and the check still works."""
+    message path, and the check still works."""
     for where in ("/nonexistent-pympar-dir", "/tmp/" + "x" * 300):
         monkeypatch.setattr(_board, "SHARED_DIR", where)
         g = make_group("shared", "fallback")
         try:
             y = g.all_reduce(np.full(2, float(g.rank + 1)))
-            agree(g._board is None and np.array_equal(y, np.full(2, g.size * (g.size + 1) / 2)),
+            agree(not g._board.shared and np.array_equal(y, np.full(2, g.size * (g.size + 1) / 2)),
                   f"{where[:30]}: board {g._board}, sum {y}")
             raises_everywhere(CollectiveMismatchError, "int32", g.all_reduce,
                               np.ones(2, np.int32 if g.rank == 1 else np.float32))
         finally:
             g.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_collective_meets_the_others_in_one_check(group):
+    """Calls that would wait in two different exchanges meet in the one check and raise."""
+    odd = group.rank == 1
+    p = group.size
+    x = np.ones((2, 3), np.float32)
+    # float16 sums in float32, so the data would move alike: the dtypes still differ.
+    raises_everywhere(CollectiveMismatchError, "float16", group.all_reduce,
+                      x.astype(np.float16 if odd else np.float32))
+    # A gather of unknown extents (its sizes travel with the check) against an all-reduce,
+    # and against the same gather with sizes= given.
+    call = (lambda: group.all_gather(x)) if odd else (lambda: group.all_reduce(x))
+    raises_everywhere(CollectiveMismatchError, "disagree", call)
+    sizes = None if odd else (2,) * p
+    raises_everywhere(CollectiveMismatchError, "disagree", group.all_gather, x, 0, None, sizes)
+    assert_equal(group.all_gather(x), np.ones((2 * p, 3), np.float32), "in step afterwards")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_arguments_on_one_rank_raise_on_every_rank(group):
+    """What one rank refuses before any message still makes every rank raise."""
+    odd = group.rank == 1
+    p = group.size
+    x = np.arange(6.0).reshape(2, 3)
+    bad = {
+        "a list": (lambda: group.all_reduce(x.tolist() if odd else x), "numpy.ndarray"),
+        "None": (lambda: group.all_gather(None if odd else x), "numpy.ndarray"),
+        "an op": (lambda: group.all_reduce(x, "prod" if odd else "sum"), "op must be"),
+        "complex max": (lambda: group.all_reduce(x.astype(np.complex128) if odd else x,
+                                                 "max"), "complex"),
+        "a root": (lambda: group.broadcast(x, root=p if odd else 0), "root"),
+        "an axis": (lambda: group.all_gather(x, 5 if odd else 0), "out of range"),
+        "a 0-d array": (lambda: group.all_gather(np.float64(1.0) if odd else x),
+                        "at least one dimension"),
+        "an axis to split": (lambda: group.reduce_scatter(x, 7 if odd else 0), "out of range"),
+        "equal axes": (lambda: group.all_to_all(x, 0, 0 if odd else 1), "must differ"),
+        "an object dtype": (lambda: group.all_gather(x.astype(object) if odd else x,
+                                                    sizes=(2,) * p), "not dtype object"),
+    }
+    for what, (call, reason) in bad.items():
+        error = raises_everywhere(CollectiveMismatchError, "refused by this rank", call)
+        agree(reason in str(error), f"{what}: the reason is not named: {error}")
+    # Every rank refusing alike: each raises its own error, nobody waits.
+    raises_everywhere(TypeError, "numpy.ndarray", group.all_reduce, [1.0, 2.0])
+    raises_everywhere(ValueError, "op must be", group.all_reduce, x, "prod")
+    assert_close(group.all_reduce(x), x * p, what="in step afterwards")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_out_that_misfits_on_one_rank_raises_everywhere(group):
+    """Gathers of unknown extents learn of another rank's out with the extents."""
+    odd = group.rank == 1
+    p = group.size
+    x = np.ones((2, 4))
+    # The gathered extent is wrong on one rank: only known once every extent is in.
+    out = np.empty((2 * p + odd, 4))
+    raises_everywhere(CollectiveMismatchError, r"the out of rank\(s\) \[1\]", group.all_gather,
+                      x, 0, out)
+    out = np.empty((2 * p, 4 + odd))  # another axis: refused before any message
+    raises_everywhere(CollectiveMismatchError, "does not fit", group.all_gather, x, 0, out)
+    y = np.ones((2 * p, 3))
+    out = np.empty((2, 3 * p + odd))
+    raises_everywhere(CollectiveMismatchError, r"the out of rank\(s\) \[1\]", group.all_to_all,
+                      y, 0, 1, out)
+    # An out overlapping the input: pympar's error, not MPI's, on every rank.
+    big = np.ones(12)
+    aliased = big[2:8] if odd else np.empty(6)
+    raises_everywhere(CollectiveMismatchError, "overlaps the input", group.all_reduce,
+                      big[:6], "sum", aliased)
+    whole = np.ones((2 * p, 4))
+    raises_everywhere(ValueError, "overlaps the input", group.all_gather, whole[:2], 0, whole)
+    assert_equal(group.all_gather(x, 0, np.empty((2 * p, 4))), np.ones((2 * p, 4)),
+                 "in step afterwards")
