@@ -24,9 +24,10 @@ Notes
 * Agreement, always on: before its data call every call checks that all ranks pass the
   same operation, dtype, extents (those not gathered), axis, sizes, root, op and label
   (the mapping's, inside any :func:`label` block). Every collective uses the same check
-  (:mod:`pympar._board`: shared memory when the group's ranks share a node, else one
-  24-byte Iallgather), started before packing and finished just before the data call,
-  so ranks making different calls always meet in it and raise the same
+  (:mod:`pympar._agreement`, through :mod:`pympar._board`: shared memory when the
+  group's ranks share a node, else one 24-byte Iallgather), started before packing and
+  finished just before the data call, so ranks making different calls always meet in it
+  and raise the same
   :class:`~pympar.debug.CollectiveMismatchError`, never wait in two different
   exchanges. A rank that refuses its own arguments (not an array, an unknown op, an
   ``out`` that does not fit or overlaps the input, ...) joins the check with a signature
@@ -48,17 +49,18 @@ Notes
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _board, backend, debug, stats
+from . import _agreement, backend, debug, stats
+from ._agreement import agree, label
+from ._board import MAX_EXTENT
 from ._plans import Blocks, Plan, in_units, pack, remember, scratch, unpack
 from .partition import balanced_sizes, block_slice
 
@@ -87,8 +89,6 @@ _MOVABLE = "biufc"  # dtype kinds: bool, int, uint, float, complex
 _IN_PLACE = MPI.IN_PLACE
 _MOVE: Any = object()  # the op of a collective that reduces nothing
 
-# The label of the code running collectives (see label()); mappings pass theirs.
-_label: str | None = None
 # Whether debug mode, a timeout or a stats recorder is on: the one branch they cost.
 _hooked = False
 
@@ -101,80 +101,6 @@ def _refresh_hooks() -> None:
 debug._listeners.append(_refresh_hooks)
 stats._listeners.append(_refresh_hooks)
 _refresh_hooks()
-
-
-@contextlib.contextmanager
-def label(name: str) -> Iterator[None]:
-    """Name the collectives called inside a ``with`` block, in statistics and errors.
-
-    Parameters
-    ----------
-    name : str
-        E.g. ``"Linear3D.backward"``; statistics record each collective inside as
-        ``"Linear3D.backward:all_gather"`` and so on. Part of the agreement check: ranks
-        running the same collective under different labels raise
-        :class:`~pympar.debug.CollectiveMismatchError`.
-        Mappings label their own collectives (``"gather_from_sequence.forward"``).
-    """
-    global _label
-    saved, _label = _label, name
-    try:
-        yield
-    finally:
-        _label = saved
-
-
-def _within(name: str | None) -> str | None:
-    """The label the agreement check compares: a mapping's own inside any ``label`` block.
-
-    Statistics keep the mapping's label alone; the check also compares the enclosing
-    block's, so that layers naming themselves (with their sizes) in a block make ranks
-    that built different layers raise even when the collective itself looks alike.
-    """
-    if _label is None:
-        return name
-    return f"{_label}/{name}" if name else _label
-
-
-def agree(group: pympar.group.Group, key: tuple, shown: str) -> None:
-    """Check that every rank of ``group`` reaches this point with an equal ``key``.
-
-    One agreement check of the collectives' own kind (see the module notes), for
-    communication they do not cover, such as a ring of point-to-point messages, or cover
-    too coarsely, such as one flat buffer whose parts every rank must order alike. The
-    check compares the enclosing :func:`label` too. Nothing happens on a group of one
-    rank; ``PYMPAR_CHECK_BYTES`` does not apply.
-
-    Parameters
-    ----------
-    group : Group
-        The ranks that must agree.
-    key : tuple
-        What must be equal on every rank (hashable; shapes, dtypes as strings, flags).
-    shown : str
-        This rank's call in words, for the error message.
-
-    Raises
-    ------
-    pympar.debug.CollectiveMismatchError
-        On every rank, when two ranks' keys (or labels) differ.
-    RuntimeError
-        When ``group`` has been freed.
-    """
-    if group.size == 1:
-        return
-    if group.comm == MPI.COMM_NULL:
-        raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
-                           f"manager.destroy_parallel); use the groups of the current state")
-    plan = group._plans.get(("agree", key))
-    if plan is None:
-        plan = remember(group, ("agree", key), Plan(
-            key=("agree", key), shown=shown, sig=zlib.crc32(repr(key).encode()) & 0x7FFFFFFF))
-    name = _within(None)
-    if debug.is_enabled():
-        debug.verify(group, (plan.key, name), debug.describe(shown, name), None, None)
-    else:
-        _agree(group, plan, name, None)
 
 
 def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
@@ -289,66 +215,6 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def _post(group: pympar.group.Group, plan: Plan, name: str | None) -> int:
-    """Start the agreement check (:mod:`pympar._board`); return the token :func:`_settle` takes.
-
-    The call's signature is the plan's with the label's folded in, hashed to 32 bits and
-    made odd (never :data:`~pympar._board.REFUSED`), built once per (plan, label). Started
-    before packing and finished just before the data call, so that another rank's
-    lateness, or the latency of the message board, overlaps the local work.
-    """
-    sig = plan.checks.get(name)
-    if sig is None:
-        s = plan.sig << 31 | (_LABELS.get(name) or _label_sig(name)) if name else plan.sig << 31
-        sig = plan.checks[name] = zlib.crc32(s.to_bytes(8, "little")) | 1
-    return group._board.publish(sig)
-
-
-def _settle(group: pympar.group.Group, plan: Plan, token: int, name: str | None, x: Any) -> None:
-    """Finish the check started by :func:`_post`; raise on every rank when ranks differ."""
-    timeout = debug.get_timeout() if _hooked else None
-    if not group._board.wait(token, group, plan.shown, timeout):
-        _mismatch(group, plan.key, name, plan.shown, x)
-
-
-def _agree(group: pympar.group.Group, plan: Plan, name: str | None, x: Any) -> None:
-    """The whole agreement check at once (see :func:`_post`)."""
-    _settle(group, plan, _post(group, plan, name), name, x)
-
-
-_LABELS: dict[str, int] = {}
-
-
-def _label_sig(name: str) -> int:
-    sig = _LABELS[name] = zlib.crc32(name.encode()) & 0x7FFFFFFF or 1
-    return sig
-
-
-def _mismatch(group: pympar.group.Group, key: tuple, name: str | None, shown: str, x: Any) -> None:
-    """Raise the same CollectiveMismatchError on every rank, naming every rank's call."""
-    debug.verify(group, (key, name), debug.describe(shown, name), None, x)
-    raise debug.CollectiveMismatchError(f"ranks of group {group.name!r} disagree on {shown}")
-
-
-def _refuse(group: pympar.group.Group, what: str, error: Exception, name: str | None,
-            others_check: bool) -> None:
-    """Before this rank raises ``error`` about its own arguments, make the others raise too.
-
-    When the other ranks are about to check their call (``others_check``), this rank joins
-    that check with the signature :data:`~pympar._board.REFUSED`, which no call has, so
-    that every rank raises :class:`~pympar.debug.CollectiveMismatchError` naming this
-    rank's reason instead of waiting for it in MPI; when every rank refused, each returns
-    to raise its own error.
-    """
-    board = getattr(group, "_board", None)
-    if not others_check or board is None or group.comm == MPI.COMM_NULL:
-        return
-    shown = f"{what}, refused by this rank: {error}"
-    token = board.publish(_board.REFUSED)
-    if not board.wait(token, group, shown, debug.get_timeout()):
-        _mismatch(group, (what, "refused"), name, shown, None)
-
-
 def _checks_every_call() -> bool:
     """Whether every call is checked, whatever its size (see :data:`CHECK_BYTES`)."""
     return CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
@@ -400,30 +266,31 @@ def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | No
     if not _hooked:
         if checked or plan.nbytes < CHECK_BYTES or group.size == 1:
             return _move(group, plan, x, _dest(group, plan, x, out), out, None, None)
-        name = name if _label is None else _within(name)
+        name = _agreement.within(name)
         try:
             dest = _dest(group, plan, x, out)
         except (TypeError, ValueError) as err:
-            _refuse(group, plan.key[0], err, name, True)
+            _agreement.refuse(group, plan.key[0], err, name, True)
             raise
-        return _move(group, plan, x, dest, out, _post(group, plan, name), name)
+        return _move(group, plan, x, dest, out, _agreement.post(group, plan, name), name)
     # Statistics keep the collective's kind under a layer's label ("Linear3D.forward:all_gather"),
     # so that bytes can still be told apart by kind; a mapping's label already says it.
-    op = name or (f"{_label}:{plan.key[0]}" if _label else plan.key[0])
-    name = name if _label is None else _within(name)
+    outer = _agreement._label
+    op = name or (f"{outer}:{plan.key[0]}" if outer else plan.key[0])
+    name = _agreement.within(name)
     checks = group.size > 1 and not checked and (plan.nbytes >= CHECK_BYTES
                                                  or _checks_every_call())
     try:
         dest = _dest(group, plan, x, out)
     except (TypeError, ValueError) as err:
-        _refuse(group, plan.key[0], err, name, checks)
+        _agreement.refuse(group, plan.key[0], err, name, checks)
         raise
     check = None
     if checks:
         if debug.is_enabled():  # the check every call makes, then the full comparison
-            _agree(group, plan, name, x)
+            _agreement.check(group, plan, name, x)
         else:
-            check = _post(group, plan, name)
+            check = _agreement.post(group, plan, name)
     if group.size > 1 and debug.is_enabled():
         debug.verify(group, (plan.key, name), debug.describe(plan.shown, name), out, x)
     if not stats.is_recording():
@@ -466,7 +333,7 @@ def _move(group: pympar.group.Group, plan: Plan, x: Any, dest: Any, out: Any,
             recv = dest
         wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
         if check is not None:  # never start the data call before the check has passed
-            _settle(group, plan, check, name, x)
+            _agreement.settle(group, plan, check, name, x)
         if plan.chunk is None:
             _mpi(group, method, _args(plan, wsend, wrecv), plan.shown)
         else:  # MPI-3 and a count above INT_MAX: a few calls on consecutive slices
@@ -513,7 +380,7 @@ def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = No
             plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _refuse(group, "all_reduce", err, _within(label), _checks_every_call())
+        _agreement.refuse(group, "all_reduce", err, _agreement.within(label), _checks_every_call())
         raise
     return _run(group, plan, x, out, label)
 
@@ -537,7 +404,7 @@ def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
             plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _refuse(group, "broadcast", err, _within(label), _checks_every_call())
+        _agreement.refuse(group, "broadcast", err, _agreement.within(label), _checks_every_call())
         raise
     return _run(group, plan, x, out, label)
 
@@ -564,24 +431,11 @@ def _gathered_sizes(group: pympar.group.Group, x: Any, axis: int, sizes: Any, wh
         return (extent,), True
     if group.comm == MPI.COMM_NULL:
         _new_plan(group, x, what)  # raises: the group is freed
-    if max(extent, claim) >= _board.MAX_EXTENT:
+    if max(extent, claim) >= MAX_EXTENT:
         raise ValueError(f"{what}: an extent of {extent} along axis {axis} needs sizes= "
                          f"(every rank's extent)")
     shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={axis})"
-    board = group._board
-    token = board.publish(zlib.crc32(repr((key, name)).encode()) | 1, extent, claim, True)
-    timeout = debug.get_timeout() if _hooked else None
-    if not board.wait(token, group, shown, timeout):
-        _mismatch(group, key, name, shown, x)
-    extents, claims = board.extents(token, group, shown, timeout)
-    total = sum(extents)
-    wrong = [q for q, c in enumerate(claims) if c and c - 1 != total]
-    if wrong:
-        raise debug.CollectiveMismatchError(
-            f"{shown} on group {group.name!r}: the out of rank(s) {wrong} has "
-            f"{[claims[q] - 1 for q in wrong]} along the gathered axis, but the ranks' "
-            f"blocks add up to {total}; every rank raises")
-    return tuple(extents), True
+    return _agreement.extents(group, key, name, shown, x, extent, claim), True
 
 
 def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None,
@@ -599,7 +453,7 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
             _movable(x, "all_gather")
             sizes, checked = _gathered_sizes(group, x, ax, sizes, "all_gather",
                                              ("all_gather", masked, _native(x), ax, sizes),
-                                             _within(label), claim)
+                                             _agreement.within(label), claim)
         key = ("all_gather", x.shape, x.dtype, axis, sizes)
         plan = group._plans.get(key)
         if plan is None:
@@ -617,7 +471,7 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
             _finish(group, plan, key, shape, b.counts + b.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _refuse(group, "all_gather", err, _within(label), unknown or _checks_every_call())
+            _agreement.refuse(group, "all_gather", err, _agreement.within(label), unknown or _checks_every_call())
         raise
     return _run(group, plan, x, out, label, checked)
 
@@ -650,7 +504,7 @@ def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = 
                                                                group.rank),)
             _finish(group, plan, key, x.shape, ())
     except (TypeError, ValueError) as err:
-        _refuse(group, "reduce_scatter", err, _within(label), _checks_every_call())
+        _agreement.refuse(group, "reduce_scatter", err, _agreement.within(label), _checks_every_call())
         raise
     if plan.method is None:
         mine = all_reduce(group, x, op, None, label)[plan.tail]
@@ -685,7 +539,7 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
             _movable(x, "all_to_all")
             sizes, checked = _gathered_sizes(
                 group, x, cat, sizes, "all_to_all",
-                ("all_to_all", masked, _native(x), split, cat, sizes), _within(label), claim)
+                ("all_to_all", masked, _native(x), split, cat, sizes), _agreement.within(label), claim)
         key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
         plan = group._plans.get(key)
         if plan is None:
@@ -718,6 +572,6 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
                     sb.counts + sb.displs + rb.counts + rb.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _refuse(group, "all_to_all", err, _within(label), unknown or _checks_every_call())
+            _agreement.refuse(group, "all_to_all", err, _agreement.within(label), unknown or _checks_every_call())
         raise
     return _run(group, plan, x, out, label, checked)
