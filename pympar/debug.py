@@ -393,8 +393,9 @@ def check_mapping(group: Any, name: str, x: Any, options: dict[str, Any]) -> Non
         The mapping's group.
     name : str
         The mapping and direction, e.g. ``"copy_to_all.forward"``.
-    x : array
-        The mapping's input (its dtype and number of dimensions are compared).
+    x : array or any
+        The mapping's input (its dtype and number of dimensions are compared; anything
+        that is not an array is compared by its type).
     options : dict
         Its keywords (``global_size``, ``seq_axis``, ...); None values are left out.
 
@@ -405,5 +406,8 @@ def check_mapping(group: Any, name: str, x: Any, options: dict[str, Any]) -> Non
     """
     given = tuple(sorted((k, v) for k, v in options.items() if v is not None))
     shown = "".join(f", {k}={v!r}" for k, v in given)
-    check(group, ("mapping", name, str(x.dtype), x.ndim, repr(given)),
-          f"{name}(shape={x.shape}, dtype={x.dtype}{shown})", _timeout)
+    # Compared before the input is validated, so that a rank passing a list meets the
+    # others here (and every rank raises) instead of leaving them waiting.
+    dtype = str(getattr(x, "dtype", f"not an array: {type(x).__name__}"))
+    check(group, ("mapping", name, dtype, getattr(x, "ndim", None), repr(given)),
+          f"{name}(shape={getattr(x, 'shape', '?')}, dtype={dtype}{shown})", _timeout)
