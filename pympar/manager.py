@@ -250,13 +250,21 @@ def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Grou
 
     Raises
     ------
+    TypeError
+        Naming ``layer`` when ``group`` is neither a Group nor None (a group's
+        name, say).
     RuntimeError
         Naming ``layer`` when ``group`` is None and no parallel state exists.
     ValueError
         For an unknown ``axis``.
     """
     if group is not None:
-        return group
+        # The exact type first: it is the hot path of every mapping call.
+        if type(group) is Group or isinstance(group, Group):
+            return group
+        raise TypeError(f"{layer}: group must be a pympar Group or None, not "
+                        f"{type(group).__name__} {group!r:.60} (get one from pympar.manager, "
+                        f"e.g. get_tensor_parallel_group(), or Mesh.group)")
     if axis not in _KIND:
         raise ValueError(f"{layer}: unknown group axis {axis!r}; expected one of {sorted(_KIND)}")
     if _state is None:
