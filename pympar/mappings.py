@@ -70,6 +70,7 @@ __all__ = [
 
 Step = Callable[..., Any]
 SEQUENCE, HIDDEN = 0, -1
+_NDARRAY = np.ndarray  # one global lookup on the hot path of every call, not two
 
 
 @functools.lru_cache(maxsize=4096)
@@ -231,7 +232,7 @@ class Mapping:
                           DeprecationWarning, stacklevel=3)
             global_size = options.pop("size")
         step, name = self._steps[direction]
-        if type(x) is not np.ndarray:
+        if type(x) is not _NDARRAY:
             # The collectives' own check, before any step: an identity or keep-my-block
             # step would otherwise return a list as it is or fail in NumPy's words.
             x = collectives._array(x, name)
