@@ -8,9 +8,9 @@
    mpi4py``): the other ranks would otherwise wait forever in their next
    collective. This comes before any collective, so that an error inside
    ``initialize_parallel`` itself ends the job too;
-2. exchanges, with a timed non-blocking allgather, the settings every rank must
-   share (``PYMPAR_DEBUG`` and ``PYMPAR_TIMEOUT``, as in effect in
-   :mod:`pympar.debug`), so that ``initialize_parallel`` called on only some
+2. compares, with one timed non-blocking allgather of a checksum, the settings
+   every rank must share (``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` and
+   ``PYMPAR_CHECK_BYTES``, as in effect), so that ``initialize_parallel`` called on only some
    ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
    within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
    different settings raise :class:`ValueError` on every rank, naming the
@@ -159,6 +159,9 @@ def start(comm: MPI.Comm) -> None:
         On every rank, when ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` or
         ``PYMPAR_CHECK_BYTES`` differ between ranks; the message names the
         variable and each rank's value.
+    pympar.debug.CollectiveMismatchError
+        On every rank, when other ranks make another agreed call meanwhile (a
+        :class:`~pympar.mesh.Mesh`, say) instead of ``initialize_parallel``.
     """
     _install_hooks()
     check_same(comm, "initialize_parallel", "")
