@@ -10,8 +10,8 @@
    ``initialize_parallel`` itself ends the job too;
 2. compares, with one timed non-blocking allgather of a checksum, the settings
    every rank must share (``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` and
-   ``PYMPAR_CHECK_BYTES``, as in effect), so that ``initialize_parallel`` called on only some
-   ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
+   ``PYMPAR_CHECK_BYTES``, as in effect), so that ``initialize_parallel`` called
+   on only some ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
    within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
    different settings raise :class:`ValueError` on every rank, naming the
    variable and each rank's value (the exchange is :func:`pympar.mesh.check_same`,
