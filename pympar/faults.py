@@ -37,10 +37,14 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import debug
-from .mesh import MUST_AGREE, check_same
+from . import debug, mesh
+from .mesh import check_same
 
 __all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
+
+#: Environment variables whose settings must be the same on every rank (compared by
+#: :func:`pympar.mesh.check_same`, where the tuple lives).
+MUST_AGREE = mesh.MUST_AGREE
 #: Seconds a rank waits at the end of the program, without a timeout, before it
 #: says that it is waiting for the others.
 EXIT_NOTE_AFTER = 30.0
