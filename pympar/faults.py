@@ -2,18 +2,20 @@
 
 :func:`pympar.manager.initialize_parallel` calls :func:`start` first. It
 
-1. exchanges, with a timed non-blocking allgather, the settings every rank must
-   share (``PYMPAR_DEBUG`` and ``PYMPAR_TIMEOUT``, as in effect in
-   :mod:`pympar.debug`), so that ``initialize_parallel`` called on only some
-   ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
-   within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
-   different settings raise :class:`ValueError` on every rank, naming the
-   variable and each rank's value;
-2. from then on, for the rest of the process, makes an uncaught exception in
+1. from then on, for the rest of the process, makes an uncaught exception in
    any thread print the rank and the error and call ``MPI.COMM_WORLD.Abort``,
    under any launcher (plain ``python script.py`` too, not only ``python -m
    mpi4py``): the other ranks would otherwise wait forever in their next
-   collective;
+   collective. This comes before any collective, so that an error inside
+   ``initialize_parallel`` itself ends the job too;
+2. compares, with one timed non-blocking allgather of a checksum, the settings
+   every rank must share (``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` and
+   ``PYMPAR_CHECK_BYTES``, as in effect), so that ``initialize_parallel`` called
+   on only some ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
+   within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
+   different settings raise :class:`ValueError` on every rank, naming the
+   variable and each rank's value (the exchange is :func:`pympar.mesh.check_same`,
+   which every ``Mesh`` and ``Mesh.group`` also makes);
 3. when the job has more than one rank, makes the end of the program (a return
    from the script, or ``sys.exit`` with any status) agree across the ranks
    first: a rank that ends while another has not ended waits for it; with
@@ -26,8 +28,6 @@
 from __future__ import annotations
 
 import atexit
-import json
-import os
 import sys
 import threading
 import time
@@ -35,15 +35,16 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
-from . import collectives, debug
+from . import debug, mesh
+from .mesh import check_same
 
 __all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
 
-#: Environment variables whose settings must be the same on every rank.
-MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT", "PYMPAR_CHECK_BYTES")
+#: Environment variables whose settings must be the same on every rank (compared by
+#: :func:`pympar.mesh.check_same`, where the tuple lives).
+MUST_AGREE = mesh.MUST_AGREE
 #: Seconds a rank waits at the end of the program, without a timeout, before it
 #: says that it is waiting for the others.
 EXIT_NOTE_AFTER = 30.0
@@ -51,63 +52,8 @@ EXIT_NOTE_AFTER = 30.0
 #: among them) stop forwarding a job's output once it aborts, so what was printed
 #: just before is otherwise often lost.
 ABORT_DELAY = 0.5
-_SLOT_BYTES = 256
-
 _installed = False
 _exit_comm: MPI.Comm | None = None
-
-
-def _settings() -> dict[str, list[str]]:
-    """This rank's settings that must agree: [what is in effect, how it reads in the environment]."""
-    timeout = debug.get_timeout()
-    effective = {"PYMPAR_DEBUG": "on" if debug.is_enabled() else "off",
-                 "PYMPAR_TIMEOUT": "off" if timeout is None else f"{timeout!r} s",
-                 "PYMPAR_CHECK_BYTES": f"{collectives.CHECK_BYTES} bytes"}
-    # The raw text is cut short: the exchange has a fixed size per rank.
-    return {name: [value, f"{value} ({name}={os.environ.get(name, '<unset>')[:40]})"]
-            for name, value in effective.items()}
-
-
-def _exchange(comm: MPI.Comm, mine: dict) -> list[dict]:
-    """Allgather ``mine`` with a non-blocking call, timed by this rank's timeout.
-
-    Always non-blocking, so ranks whose timeouts differ still match each other.
-    """
-    payload = json.dumps(mine).encode()[:_SLOT_BYTES]
-    send = np.zeros(_SLOT_BYTES, np.uint8)
-    send[:len(payload)] = np.frombuffer(payload, np.uint8)
-    received = np.zeros((comm.Get_size(), _SLOT_BYTES), np.uint8)
-    request = comm.Iallgather(send, received)
-    timeout = debug.get_timeout()
-    if timeout is None:
-        request.Wait()
-    else:
-        deadline, pause = time.monotonic() + timeout, 1e-5
-        while not request.Test():
-            if time.monotonic() >= deadline:
-                error = debug.CollectiveTimeoutError(
-                    f"initialize_parallel did not complete within {timeout:g} s on rank "
-                    f"{comm.Get_rank()} of {comm.Get_size()}: other ranks of the communicator "
-                    "have not called it (the ranks that did not call it cannot know and wait "
-                    "in their own next collective); the communicator is no longer usable")
-                error.request = request
-                raise error
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-    return [json.loads(row.tobytes().rstrip(b"\0")) for row in received]
-
-
-def _check_agreement(seen: list[dict[str, list[str]]]) -> None:
-    """Raise ValueError when the ranks' settings differ (the same error on every rank)."""
-    for name in MUST_AGREE:
-        if len({row[name][0] for row in seen}) == 1:
-            continue
-        shown: dict[str, list[int]] = {}
-        for rank, row in enumerate(seen):
-            shown.setdefault(row[name][1], []).append(rank)
-        listing = "; ".join(f"{value} on ranks {ranks}" for value, ranks in shown.items())
-        raise ValueError(f"{name} must be set alike on every rank, but the ranks differ: "
-                         f"{listing}")
 
 
 def _report(kind: type[BaseException], value: BaseException, where: str) -> None:
@@ -172,17 +118,22 @@ def _agree_at_exit() -> None:
         pause = min(2 * pause, 1e-2)
 
 
-def _install(comm: MPI.Comm) -> None:
-    """Install the hooks (once per process) and the end-of-program agreement.
-
-    The agreement covers the first communicator of more than one rank that is
-    laid out (usually ``MPI.COMM_WORLD``).
-    """
-    global _installed, _exit_comm
+def _install_hooks() -> None:
+    """Make an uncaught exception in any thread end the job (once per process; no MPI call)."""
+    global _installed
     if not _installed:
         _installed = True
         sys.excepthook = _excepthook
         threading.excepthook = _threading_excepthook
+
+
+def _install_exit(comm: MPI.Comm) -> None:
+    """Register the end-of-program agreement over ``comm`` (collective: it duplicates ``comm``).
+
+    The agreement covers the first communicator of more than one rank that is
+    laid out (usually ``MPI.COMM_WORLD``).
+    """
+    global _exit_comm
     if _exit_comm is None and comm.Get_size() > 1:
         # A communicator of its own: the end-of-program barrier can never match a
         # collective left pending on the user's communicators.
@@ -191,10 +142,12 @@ def _install(comm: MPI.Comm) -> None:
 
 
 def start(comm: MPI.Comm) -> None:
-    """Check that the ranks of ``comm`` agree on their settings, then install the fault hooks.
+    """Install the fault hooks, then check that the ranks of ``comm`` agree on their settings.
 
     Collective over ``comm``; called first by
-    :func:`pympar.manager.initialize_parallel`.
+    :func:`pympar.manager.initialize_parallel`. The hooks come before the first
+    collective, so that an error raised there (a timeout on the ranks that called
+    it, different settings) ends the whole job under any launcher.
 
     Parameters
     ----------
@@ -207,8 +160,13 @@ def start(comm: MPI.Comm) -> None:
         When ``PYMPAR_TIMEOUT`` is set on this rank and other ranks of ``comm``
         do not call this within it. ``comm`` then has a pending operation.
     ValueError
-        On every rank, when ``PYMPAR_DEBUG`` or ``PYMPAR_TIMEOUT`` differ
-        between ranks; the message names the variable and each rank's value.
+        On every rank, when ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` or
+        ``PYMPAR_CHECK_BYTES`` differ between ranks; the message names the
+        variable and each rank's value.
+    pympar.debug.CollectiveMismatchError
+        On every rank, when other ranks make another agreed call meanwhile (a
+        :class:`~pympar.mesh.Mesh`, say) instead of ``initialize_parallel``.
     """
-    _check_agreement(_exchange(comm, _settings()))
-    _install(comm)
+    _install_hooks()
+    check_same(comm, "initialize_parallel", "")
+    _install_exit(comm)

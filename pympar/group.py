@@ -220,7 +220,16 @@ class Group:
         self._buffers.clear()
 
     def barrier(self) -> None:
-        """Block until every member has reached the barrier."""
+        """Block until every member has reached the barrier.
+
+        Raises
+        ------
+        RuntimeError
+            When the group has been freed.
+        """
+        if self.freed:
+            raise RuntimeError(f"barrier: group {self.name!r} has been freed (Group.free or "
+                               f"manager.destroy_parallel); use the groups of the current state")
         self.comm.Barrier()
 
     @property

@@ -104,7 +104,8 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
                         tensor_parallel_mode: str = "1d") -> ParallelState:
     """Create the DP, CP and TP groups and make them the current parallel state.
 
-    Collective over ``comm``: every rank must call it with the same arguments.
+    Collective over ``comm``: every rank must call it with the same arguments (and
+    the same settings: ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT``, ``PYMPAR_CHECK_BYTES``).
     The data-parallel size is ``world_size // (tensor_parallel_size *
     context_parallel_size)``.
 
@@ -134,6 +135,13 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
         a non-cube TP size in 3D mode, or ranks passing different arguments.
     RuntimeError
         When a parallel state already exists (call :func:`destroy_parallel`).
+    pympar.debug.CollectiveMismatchError
+        When other ranks of ``comm`` make another agreed call (a ``Mesh``, say)
+        instead.
+    pympar.debug.CollectiveTimeoutError
+        With ``PYMPAR_TIMEOUT`` set, on the ranks that called it when others did
+        not within the timeout. From its first collective on, an uncaught error
+        ends the whole job (:mod:`pympar.faults`).
     """
     global _state
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -250,13 +258,21 @@ def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Grou
 
     Raises
     ------
+    TypeError
+        Naming ``layer`` when ``group`` is neither a Group nor None (a group's
+        name, say).
     RuntimeError
         Naming ``layer`` when ``group`` is None and no parallel state exists.
     ValueError
         For an unknown ``axis``.
     """
     if group is not None:
-        return group
+        # The exact type first: it is the hot path of every mapping call.
+        if type(group) is Group or isinstance(group, Group):
+            return group
+        raise TypeError(f"{layer}: group must be a pympar Group or None, not "
+                        f"{type(group).__name__} {group!r:.60} (get one from pympar.manager, "
+                        f"e.g. get_tensor_parallel_group(), or Mesh.group)")
     if axis not in _KIND:
         raise ValueError(f"{layer}: unknown group axis {axis!r}; expected one of {sorted(_KIND)}")
     if _state is None:

@@ -46,6 +46,8 @@ import functools
 import warnings
 from typing import Any, Callable
 
+import numpy as np
+
 from . import collectives, debug, manager
 from .collectives import label
 from .group import Group
@@ -68,6 +70,7 @@ __all__ = [
 
 Step = Callable[..., Any]
 SEQUENCE, HIDDEN = 0, -1
+_NDARRAY = np.ndarray  # one global lookup on the hot path of every call, not two
 
 
 @functools.lru_cache(maxsize=4096)
@@ -228,15 +231,18 @@ class Mapping:
                           "global_size= (the global extent of the gathered axis)",
                           DeprecationWarning, stacklevel=3)
             global_size = options.pop("size")
+        step, name = self._steps[direction]
+        if type(x) is not _NDARRAY:
+            # The collectives' own check, before any step: an identity or keep-my-block
+            # step would otherwise return a list as it is or fail in NumPy's words.
+            x = collectives._array(x, name)
         group = manager.resolve_group(group, self.name, self._default_axis)
         if group.size == 1:
             return _identity(group, x, out)
-        step, name = self._steps[direction]
         sizes = None if global_size is None else balanced_sizes(global_size, group.size)
         if collectives._hooked and debug.is_enabled():
             # Every rank must call the same mapping, even one whose step communicates
             # nothing (copy_to_all's forward): compared here, in debug mode.
-            x = collectives._array(x, name)
             debug.check_mapping(group, name, x, dict(options, global_size=global_size))
         # (Unpacking an empty **options still costs a dict; skip it.)
         return step(group, x, out, sizes, name, **options) if options else \

@@ -14,10 +14,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere
-from pympar import collectives, faults, manager
+from pympar import collectives, manager
 from pympar.debug import CollectiveTimeoutError, debug_mode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,9 +71,9 @@ def test_initialize_on_some_ranks_raises_there_within_the_timeout():
             error.request.Wait()  # the others join the exchange now, so comm can be freed
         agree(ok, f"no or wrong error after {waited:.2f} s: {error!r}")
     else:
-        # The ranks that never called it: they only complete the pending exchange.
-        with debug_mode(enabled=False, timeout=None):
-            faults._exchange(comm, faults._settings())
+        # The ranks that never called it: they only complete the pending exchange (one
+        # 32-bit checksum per rank, whose values do not matter here).
+        comm.Iallgather(np.zeros(1, np.uint32), np.empty(comm.size, np.uint32)).Wait()
         agree(True)
     comm.Free()
 
@@ -94,17 +95,25 @@ import os, sys, threading, time
 from mpi4py import MPI
 from pympar import manager
 rank = MPI.COMM_WORLD.Get_rank()
-manager.initialize_parallel()
 """
 
 SCENARIOS = {
+    # rank 1 comes late: rank 0's initialize_parallel times out, and that error (raised
+    # inside initialize_parallel, before its groups exist) must end the job too
+    "init_late": """
+if rank == 1:
+    time.sleep(15)
+manager.initialize_parallel()
+""",
     # rank 1 raises; rank 0 waits in a raw MPI barrier that pympar cannot time
     "raise": """
+manager.initialize_parallel()
 if rank == 1:
     raise ValueError("boom on purpose")
 MPI.COMM_WORLD.Barrier()
 """,
     "thread": """
+manager.initialize_parallel()
 def fail():
     raise KeyError("thread boom")
 if rank == 1:
@@ -113,11 +122,13 @@ if rank == 1:
 MPI.COMM_WORLD.Barrier()
 """,
     "exit_one": """
+manager.initialize_parallel()
 if rank == 1:
     sys.exit(0)
 MPI.COMM_WORLD.Barrier()
 """,
     "exit_all": """
+manager.initialize_parallel()
 time.sleep(0.5 * rank)   # uneven ends are fine
 print(f"[rank {rank}] done", flush=True)
 sys.exit(3)
@@ -152,6 +163,17 @@ def test_an_exception_on_one_rank_ends_a_plain_python_job(tmp_path):
     assert status != 0 and seconds < 20, (status, seconds, output)
     assert "[pympar rank 1/2] uncaught ValueError: boom on purpose; aborting the job" in output
     assert "Traceback" in output, output
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_a_timeout_inside_initialize_parallel_ends_a_plain_python_job(tmp_path):
+    # Without the hooks in place before its first collective, rank 0 would end quietly
+    # and the job would wait for rank 1 (and then in MPI_Finalize).
+    status, output, seconds = launch(tmp_path, "init_late", PYMPAR_TIMEOUT="2")
+    assert status != 0 and seconds < 10, (status, seconds, output)
+    assert ("[pympar rank 0/2] uncaught CollectiveTimeoutError: initialize_parallel did not "
+            "complete within 2 s on rank 0 of 2") in output, output
 
 
 @single_process

@@ -167,3 +167,20 @@ def test_resolve_group():
           and manager.resolve_group(state.data, "L") is state.data, "resolved groups")
     raises_everywhere(ValueError, "unknown group axis 'pipeline'", manager.resolve_group,
                       None, "L", "pipeline")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_group_name_is_not_a_group():
+    manager.initialize_parallel()
+    for wrong in ("tp", manager.get_tensor_parallel_group_name(), 0):
+        raises_everywhere(TypeError, rf"MyLayer: group must be a pympar Group or None, not "
+                          rf"{type(wrong).__name__} ", manager.resolve_group, wrong, "MyLayer")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_barrier_of_a_freed_group_says_so():
+    state = manager.initialize_parallel()
+    manager.destroy_parallel()
+    for group in (state.tensor, state.data):
+        raises_everywhere(RuntimeError, rf"barrier: group '{group.name}' has been freed "
+                          r"\(Group.free or manager.destroy_parallel\)", group.barrier)

@@ -16,6 +16,7 @@ import pytest
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import manager, mappings, stats
 from pympar.mesh import Mesh
+from pympar.modules.parallel_linear import ColumnParallelLinear
 import test_collectives as shared
 from test_collectives import LAYOUTS, Checks, dtypes_for, laid_out, piece, random
 
@@ -233,3 +234,50 @@ def test_label_names_collectives_in_stats(group):
     names = {op for (_, op) in rec.rows}
     expected = {"MyLayer.backward:all_reduce", "reduce_from_all.forward"} if group.size > 1 else set()
     agree(names >= expected, f"recorded {names}")
+
+
+# --------------------------------------------------------------------------- not arrays
+
+
+class ArrayLike:
+    """An object NumPy could convert (``__array__``, ``shape``, ``dtype``), as a torch tensor."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a
+
+
+@pytest.mark.mpi(min_size=1)
+def test_non_arrays_are_type_errors_in_both_directions(group):
+    # On every group size: a step that communicates nothing (copy_to_all's forward,
+    # scatter_to_hidden's) or a group of one rank would return a list as it is.
+    x = np.ones((4, 4))
+    for name in ("copy_to_all", "reduce_from_all", "scatter_to_hidden", "gather_from_sequence"):
+        mapping = getattr(mappings, name)
+        for direction, call in (("forward", mapping), ("backward", mapping.backward)):
+            for wrong in (x.tolist(), ArrayLike(x), None):
+                raises_everywhere(TypeError, rf"{name}.{direction}: x must be a numpy.ndarray "
+                                  rf"or cupy.ndarray, not {type(wrong).__name__}", call, wrong,
+                                  group)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_group_name_is_a_type_error(group):
+    raises_everywhere(TypeError, "gather_from_sequence: group must be a pympar Group or None, "
+                      "not str 'tp'", mappings.gather_from_sequence, np.ones((2, 2)), "tp")
+    raises_everywhere(TypeError, "copy_to_all: group must be a pympar Group or None, not str",
+                      mappings.copy_to_all.backward, np.ones((2, 2)), group.name)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_layer_refuses_a_non_array_input(group):
+    # Layers share one input check (modules.core.check_array); ArrayLike has shape and
+    # dtype but is no array.
+    layer = ColumnParallelLinear(4, 2 * group.size, gather_output=True, group=group,
+                                 dtype=np.float64)
+    for wrong in (np.ones((3, 4)).tolist(), ArrayLike(np.ones((3, 4)))):
+        raises_everywhere(TypeError, rf"ColumnParallelLinear\(.*\): expected a numpy.ndarray or "
+                          rf"cupy.ndarray as input, got {type(wrong).__name__}", layer.forward,
+                          wrong)

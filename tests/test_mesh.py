@@ -1,4 +1,5 @@
-"""Rank arithmetic of ``Mesh``: worked examples, an independent brute force, 10^6 ranks."""
+"""Rank arithmetic of ``Mesh``: worked examples, an independent brute force, 10^6 ranks;
+on real ranks, the agreement that makes ranks which call ``Mesh`` differently fail alike."""
 
 import itertools
 import math
@@ -6,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from pympar.mesh import group_ranks, parse_order
+from mpi_helpers import WORLD, agree, raises_everywhere
+from pympar.debug import CollectiveMismatchError, debug_mode
+from pympar.mesh import Mesh, group_ranks, parse_order
 
 SIZES = {"tp": 2, "cp": 2, "dp": 2}
 
@@ -85,3 +88,63 @@ def test_missing_axis_of_size_one_is_outermost():
 def test_bad_sizes(bad):
     with pytest.raises(ValueError, match="must be an integer >= 1"):
         group_ranks({"tp": bad, "dp": 2}, "tp-dp", "tp")
+
+
+# --------------------------------------------------------------------------- on real ranks:
+# creating a mesh and each group is collective, and the ranks agree on it first.
+
+
+@pytest.mark.mpi(min_size=1)
+def test_alike_calls_make_the_groups_of_the_rank_math():
+    mesh = Mesh(WORLD, {"a": WORLD.size, "b": 1}, "b-a")
+    group = mesh.group("a", key="all")
+    try:
+        agree(group.ranks == tuple(range(WORLD.size)) and group.rank == WORLD.rank
+              and group.name == "all-" + "-".join(map(str, range(WORLD.size)))
+              and group.comm.allgather(WORLD.rank) == list(range(WORLD.size)),
+              f"got {group.name} {group.ranks}")
+    finally:
+        group.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_orders_that_differ_raise_on_every_rank():
+    p = WORLD.size
+    order = "a-b" if WORLD.rank == 0 else "b-a"
+    raises_everywhere(CollectiveMismatchError,
+                      rf"Mesh is collective .* Mesh\(a={p} x b=1, innermost first\) on ranks "
+                      rf"\[0\]; Mesh\(b=1 x a={p}, innermost first\) on ranks \[1",
+                      Mesh, WORLD, {"a": p, "b": 1}, order)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_size_on_one_rank_raises_on_every_rank():
+    sizes = {"a": 0 if WORLD.rank == 0 else WORLD.size}
+    raises_everywhere(CollectiveMismatchError,
+                      r"on ranks \[0\]; .*size of axis 'a' must be an integer >= 1|"
+                      r"size of axis 'a' must be an integer >= 1.* on ranks \[0\]",
+                      Mesh, WORLD, sizes)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_groups_created_in_different_orders_raise_on_every_rank():
+    mesh = Mesh(WORLD, {"a": WORLD.size, "b": 1})
+    first, second = ("a", "b") if WORLD.rank == 0 else ("b", "a")
+    raises_everywhere(CollectiveMismatchError,
+                      r"Mesh.group is collective .* Mesh.group\('a', key=None\) on ranks \[0\]; "
+                      r"Mesh.group\('b', key=None\) on ranks \[1",
+                      mesh.group, first)
+    raises_everywhere(CollectiveMismatchError, r"key='x'\) on ranks \[0\]; .*key='y'\) on ranks",
+                      mesh.group, second, key="x" if WORLD.rank == 0 else "y")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_settings_that_differ_raise_on_every_rank():
+    with debug_mode(enabled=WORLD.rank == 1, timeout=60.0):
+        raises_everywhere(ValueError, r"PYMPAR_DEBUG must be set alike on every rank.*"
+                          r"off \(PYMPAR_DEBUG=.*\) on ranks \[0.*on \(PYMPAR_DEBUG=.*\) on "
+                          r"ranks \[1\]", Mesh, WORLD, {"w": WORLD.size})
+    mesh = Mesh(WORLD, {"w": WORLD.size})
+    with debug_mode(enabled=False, timeout=30.0 if WORLD.rank == 0 else None):
+        raises_everywhere(ValueError, r"PYMPAR_TIMEOUT must be set alike.*30.0 s .*on ranks "
+                          r"\[0\].*off", mesh.group, "w")

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy
 
+from .. import backend
 from .parameter import Parameter
 
 __all__ = ["Module", "Sequential", "check_array"]
@@ -48,8 +49,11 @@ def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, *, what: s
     ValueError
         On a wrong shape or dtype.
     """
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{layer!r}: expected an array as {what}, got {type(x).__name__}")
+    if not isinstance(x, numpy.ndarray) and not backend.is_cupy_array(x):
+        # Array-likes (lists, torch tensors, objects with __array__) are refused, not
+        # converted: a conversion would copy every activation.
+        raise TypeError(f"{layer!r}: expected a numpy.ndarray or cupy.ndarray as {what}, got "
+                        f"{type(x).__name__} (convert it with numpy.asarray)")
     if shape is not None:
         ok, want = tuple(x.shape) == tuple(shape), str(tuple(shape))
     else:
