@@ -369,7 +369,7 @@ def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = No
                label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_reduce`; ``label`` names the caller."""
     try:
-        x = _array(x, "all_reduce")
+        x = _array(x, label or "all_reduce")
         key = ("all_reduce", x.shape, x.dtype, op)
         plan = group._plans.get(key)
         if plan is None:
@@ -389,7 +389,7 @@ def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
               label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.broadcast`; ``label`` names the caller."""
     try:
-        x = _array(x, "broadcast")
+        x = _array(x, label or "broadcast")
         key = ("broadcast", x.shape, x.dtype, root)
         plan = group._plans.get(key)
         if plan is None:
@@ -443,7 +443,7 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
     """Body of :meth:`pympar.group.Group.all_gather`; ``label`` names the caller."""
     unknown, checked = sizes is None, False
     try:
-        x = _array(x, "all_gather")
+        x = _array(x, label or "all_gather")
         if type(sizes) is not tuple or not x.ndim:
             if not x.ndim:
                 raise ValueError("all_gather needs an array of at least one dimension")
@@ -480,7 +480,7 @@ def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = 
                    op: str = "sum", label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.reduce_scatter`; ``label`` names the caller."""
     try:
-        x = _array(x, "reduce_scatter")
+        x = _array(x, label or "reduce_scatter")
         key = ("reduce_scatter", x.shape, x.dtype, axis, op)
         plan = group._plans.get(key)
         if plan is None:
@@ -521,7 +521,7 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
     """Body of :meth:`pympar.group.Group.all_to_all`; ``label`` names the caller."""
     unknown, checked = sizes is None, False
     try:
-        x = _array(x, "all_to_all")
+        x = _array(x, label or "all_to_all")
         if type(sizes) is not tuple:
             if not x.ndim:
                 raise ValueError("all_to_all needs an array of at least one dimension")

@@ -91,7 +91,17 @@ def _no_sizes(sizes: Any, what: str) -> None:
         raise TypeError(f"{what} gathers nothing: it takes no global_size=")
 
 
+def _local(x: Any, name: str | None) -> Any:
+    """``x`` validated as the collectives validate theirs, for a step that sends nothing.
+
+    Steps that communicate leave it to the collective, which makes every rank raise when
+    one rank's input is refused; a step that sends nothing has nobody waiting for it.
+    """
+    return x if type(x) is _NDARRAY else collectives._array(x, name or "mapping")
+
+
 def _identity(group: Group, x: Any, out: Any, sizes: Any = None, name: Any = None, /) -> Any:
+    x = _local(x, name)
     _no_sizes(sizes, "identity")
     if out is None or out is x:
         return x
@@ -106,6 +116,7 @@ def _all_reduce(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any
 
 def _keep_block(axis: int) -> Step:
     def keep_block(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
+        x = _local(x, name)
         _no_sizes(sizes, "keep my block")
         if not x.ndim:
             raise ValueError("keep my block: the input has no axis to split")
@@ -232,13 +243,9 @@ class Mapping:
                           DeprecationWarning, stacklevel=3)
             global_size = options.pop("size")
         step, name = self._steps[direction]
-        if type(x) is not _NDARRAY:
-            # The collectives' own check, before any step: an identity or keep-my-block
-            # step would otherwise return a list as it is or fail in NumPy's words.
-            x = collectives._array(x, name)
         group = manager.resolve_group(group, self.name, self._default_axis)
         if group.size == 1:
-            return _identity(group, x, out)
+            return _identity(group, x, out, None, name)
         sizes = None if global_size is None else balanced_sizes(global_size, group.size)
         if collectives._hooked and debug.is_enabled():
             # Every rank must call the same mapping, even one whose step communicates
