@@ -6,6 +6,13 @@ needs one all-reduce in forward and one in backward (or, with sequence
 parallelism, an all-gather and a reduce-scatter of the sequence axis instead).
 Both are built from :mod:`pympar.mappings`, whose backward methods are the exact
 adjoints of their forwards, so each layer's backward is the textbook chain rule.
+
+Each layer runs its forward and backward inside a :func:`pympar.mappings.label` naming the
+class, its global sizes and its flags (built once, in the constructor). The collectives'
+agreement check compares that label, so ranks that built different layers raise
+:class:`~pympar.debug.CollectiveMismatchError` even where the collective itself looks alike
+(e.g. a Column 8->6 -> Row 6->4 chain on one rank and 8->8->4 on another: the same
+all-reduce shape), at no extra message. Statistics keep each mapping's own label.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class _TensorParallelLinear(Module):
     def _setup(self, in_features: int, out_features: int, group: Group | None,
                dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool,
                input_grad: bool) -> None:
+        """Store the common settings (the label comes later: :meth:`_name_calls`)."""
         self.input_grad = bool(input_grad)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -46,6 +54,17 @@ class _TensorParallelLinear(Module):
         self.group = resolve_group(group, type(self).__name__)
         self.skip_bias_add = bool(skip_bias_add)
         self.use_sequence_parallel = bool(use_sequence_parallel)
+
+    def _name_calls(self, flags: str) -> None:
+        """Build the labels forward and backward run under: class, global sizes, flags.
+
+        What every rank of the group must share goes in, so that the agreement check of
+        the first collective inside tells apart ranks that built different layers.
+        """
+        name = (f"{type(self).__name__}({self.in_features}->{self.out_features}, {flags}, "
+                f"bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}, "
+                f"sequence_parallel={self.use_sequence_parallel}, dtype={self.dtype.name})")
+        self._forward_label, self._backward_label = name + ".forward", name + ".backward"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -160,9 +179,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.stride = int(stride)
         split = Split.over(self.group, 0, self.stride)
         self._init_parameters(split, split, bias, init_method, bias_init, seed, xp)
+        self._name_calls(f"gather_output={self.gather_output}, stride={self.stride}")
 
     def forward(self, x: Any) -> Any:
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
+        with mappings.label(self._forward_label):
+            return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
         check_array(self, x, self.in_features, self.dtype)
         if self.use_sequence_parallel:
             total = mappings.gather_from_sequence(x, group=self.group)
@@ -192,6 +216,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
         dbias : array, optional
             With ``skip_bias_add``: the gradient of the returned bias.
         """
+        with mappings.label(self._backward_label):
+            return self._backward(dy, dbias)
+
+    def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
         self._check_grad(dy, (*total_shape[:-1], width))
@@ -264,9 +292,14 @@ class RowParallelLinear(_TensorParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self._init_parameters(Split.over(self.group, 1), None, bias, init_method, bias_init,
                               seed, xp)
+        self._name_calls(f"input_is_parallel={self.input_is_parallel}")
 
     def forward(self, x: Any) -> Any:
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
+        with mappings.label(self._forward_label):
+            return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
         check_array(self, x, width, self.dtype)
         if not self.input_is_parallel:
@@ -295,6 +328,10 @@ class RowParallelLinear(_TensorParallelLinear):
         dbias : array, optional
             With ``skip_bias_add``: the gradient of the returned bias.
         """
+        with mappings.label(self._backward_label):
+            return self._backward(dy, dbias)
+
+    def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, x_shape, y_shape = self.saved_tensors()
         self._check_grad(dy, y_shape)
         if self.bias is not None and self.bias.requires_grad:
