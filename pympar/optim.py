@@ -24,7 +24,7 @@ from pympar.collectives import label
 from pympar.modules.core import Module, as_parameter_list
 from pympar.modules.parameter import Parameter
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients", "flat_label"]
 
 ParamsLike = Union[Module, Iterable[Parameter]]
 
