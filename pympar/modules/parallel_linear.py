@@ -61,9 +61,16 @@ class _TensorParallelLinear(Module):
         What every rank of the group must share goes in, so that the agreement check of
         the first collective inside tells apart ranks that built different layers.
         """
-        name = (f"{type(self).__name__}({self.in_features}->{self.out_features}, {flags}, "
-                f"bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}, "
-                f"sequence_parallel={self.use_sequence_parallel}, dtype={self.dtype.name})")
+        self._name = (f"{type(self).__name__}({self.in_features}->{self.out_features}, "
+                      f"{flags}, bias={self.bias is not None}, "
+                      f"skip_bias_add={self.skip_bias_add}, "
+                      f"sequence_parallel={self.use_sequence_parallel}, dtype={self.dtype.name})")
+        self._inside("")
+
+    def _inside(self, owner: str) -> None:
+        """Prefix the labels with the settings of the layer that owns this one (``owner``),
+        for owners whose settings (say, heads) change nothing these collectives can see."""
+        name = f"{owner}/{self._name}" if owner else self._name
         self._forward_label, self._backward_label = name + ".forward", name + ".backward"
 
     def extra_repr(self) -> str:
