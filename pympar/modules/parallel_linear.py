@@ -17,6 +17,7 @@ all-reduce shape), at no extra message. Statistics keep each mapping's own label
 
 from __future__ import annotations
 
+import math
 from typing import Any, Union
 
 import numpy
@@ -38,6 +39,12 @@ def _matmul_into(xp: Any, a2d: Any, b: Any, rows: int, cols: int, dtype: Any) ->
     out = xp.empty((rows, cols), dtype=dtype)
     xp.matmul(a2d, b, out=out)
     return out
+
+
+def _rows(a: Any) -> Any:
+    """``a`` as 2-D ``(rows, last axis)``; unlike ``reshape(-1, n)``, also where a rank's
+    share of the features is empty (more ranks than features: ``n == 0``)."""
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 class _TensorParallelLinear(Module):
@@ -80,7 +87,7 @@ class _TensorParallelLinear(Module):
     def _local_affine(self, x: Any) -> tuple[Any, Any]:
         """Return ``x @ W_local.T`` (no bias) and ``x`` as 2-D for the backward cache."""
         xp = array_module(x)
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _rows(x)
         w = self.weight.data
         y2d = _matmul_into(xp, x2d, w.T, x2d.shape[0], w.shape[0], w.dtype)
         return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
@@ -90,7 +97,7 @@ class _TensorParallelLinear(Module):
         ``dy @ W_local`` (None with ``input_grad=False``)."""
         xp = array_module(dy)
         w = self.weight.data
-        dy2d = dy.reshape(-1, w.shape[0])
+        dy2d = _rows(dy)
         if self.weight.requires_grad:
             self.weight.accumulate_grad(
                 _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
@@ -236,7 +243,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
                 dbias = mappings.gather_from_hidden.backward(dbias, group=self.group)
         if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
-                dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+                dbias = _rows(dy).sum(axis=0)
             if dbias is not None:
                 self.bias.accumulate_grad(dbias)
         dtotal = self._local_affine_backward(dy, x2d, total_shape)
@@ -343,7 +350,7 @@ class RowParallelLinear(_TensorParallelLinear):
         self._check_grad(dy, y_shape)
         if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
-                dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+                dbias = _rows(dy).sum(axis=0)
             if self.use_sequence_parallel:
                 # Each rank saw only its sequence block; the bias is shared by all rows.
                 # Every rank joins the sum, a rank without a bias gradient with zeros.
