@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 import weakref
+import zlib
 from collections import OrderedDict
 from typing import Any, Iterable, Union
 
 from pympar._optim_state import StateDictMixin
 from pympar.backend import array_module
+from pympar.collectives import label
 from pympar.modules.core import Module, as_parameter_list
 from pympar.modules.parameter import Parameter
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients", "flat_label"]
 
 ParamsLike = Union[Module, Iterable[Parameter]]
 
@@ -263,7 +265,7 @@ class _Buckets:
         self.refs = [weakref.ref(p) for p in params]
         self.shapes = [p.shape for p in params]
         # Each bucket: (flat buffer, [(param index, offset, size), ...]).
-        self.buckets: list[tuple[Any, list[tuple[int, int, int]]]] = []
+        self.buckets: list[tuple[Any, list[tuple[int, int, int]], str]] = []
         by_key: "OrderedDict[tuple, list[int]]" = OrderedDict()
         for i, p in enumerate(params):
             by_key.setdefault(_key(p.data), []).append(i)
@@ -285,7 +287,9 @@ class _Buckets:
         for i in members:
             layout.append((i, offset, params[i].size))
             offset += params[i].size
-        self.buckets.append((xp.empty(offset, dtype=dtype), layout))
+        flat = xp.empty(offset, dtype=dtype)
+        self.buckets.append((flat, layout, flat_label("allreduce_gradients",
+                                                      [params[i] for i in members])))
 
     def matches(self, params: list[Parameter]) -> bool:
         return len(params) == len(self.refs) and all(
@@ -335,6 +339,9 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
     A parameter whose ``grad`` is ``None`` contributes zeros, and receives the reduced gradient,
     so that every rank sends identically shaped buckets even when a parameter went unused
     on some rank. Frozen parameters (``requires_grad=False``) are left out entirely.
+    Each bucket's all-reduce runs under a label with a checksum of its members' layout
+    (:func:`flat_label`): ranks passing other parameters, or another order, raise
+    :class:`~pympar.debug.CollectiveMismatchError` instead of mixing gradients.
     """
     if group is None or group.size == 1:
         return
@@ -342,9 +349,10 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     params = [p for p in as_parameter_list(module_or_params) if p.requires_grad]
     state = _buckets_for(params, bucket_bytes)
-    for flat, layout in state.buckets:
+    for flat, layout, name in state.buckets:
         _pack(flat, [params[i] for i, _, _ in layout])
-        reduced = group.all_reduce(flat, op="sum", out=flat)
+        with label(name):  # ranks whose buckets hold other parameters raise here
+            reduced = group.all_reduce(flat, op="sum", out=flat)
         if reduced is not flat:
             flat[...] = reduced
         if average:
@@ -356,6 +364,32 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
                 p.grad = chunk.copy()
             else:
                 p.grad[...] = chunk
+
+
+def flat_label(what: str, params: Iterable[Parameter]) -> str:
+    """A label for a flat buffer of ``params``: ``what`` and a checksum of their layout.
+
+    The checksum (CRC-32) covers every parameter's global shape (from its placement),
+    local shape, dtype and name, in order, so two ranks packing different parameters, or
+    the same ones in another order, into buffers of equal size raise in the collective's
+    agreement check instead of mixing gradients. Built once per buffer. Two parameters
+    alike in all four (say the weights of two equal layers, both named ``"weight"``)
+    cannot be told apart: their order is the caller's to keep.
+
+    Parameters
+    ----------
+    what : str
+        The operation, e.g. ``"allreduce_gradients"``.
+    params : iterable of Parameter
+        The buffer's members, in packing order.
+
+    Returns
+    -------
+    str
+        E.g. ``"allreduce_gradients[3 params, layout 1c2f9e0a]"``.
+    """
+    layout = [(p.placement.shape, p.shape, p.dtype.str, p.name) for p in params]
+    return f"{what}[{len(layout)} params, layout {zlib.crc32(repr(layout).encode()):08x}]"
 
 
 def _pack(flat: Any, params: list[Parameter]) -> None:

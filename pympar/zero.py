@@ -30,7 +30,8 @@ from ._optim_state import ShardedStateMixin
 from .backend import accumulation_dtype, array_module
 from .modules.core import Module, as_parameter_list
 from .modules.parameter import Parameter
-from .optim import AdamW, Optimizer
+from .collectives import label
+from .optim import AdamW, Optimizer, flat_label
 from .partition import Split, block_slice
 
 __all__ = ["ZeroRedundancyOptimizer", "default_group", "per_param_state"]
@@ -65,11 +66,13 @@ class _Bucket:
     """Members of one communication bucket and, per rank, where their shares sit in a row."""
 
     def __init__(self, members: list[int], rows: list[list[tuple[int, int, int]]],
-                 width: int, xp: Any, dtype: Any, reduce_dtype: Any) -> None:
+                 width: int, xp: Any, dtype: Any, reduce_dtype: Any, name: str) -> None:
         self.members = members    # parameter indices
         self.rows = rows          # rows[k] = [(param index, flat start in param, size), ...]
         self.width = width        # elements per row (rank 0's total)
         self.xp, self.dtype, self.reduce_dtype = xp, dtype, reduce_dtype
+        # The label of its collectives: ranks whose buckets differ raise instead of mixing.
+        self.name = name
 
 
 class ZeroRedundancyOptimizer(ShardedStateMixin):
@@ -203,7 +206,8 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
                 offset += size
             rows.append(layout)
         width = sum(size for _, _, size in rows[0])
-        return _Bucket(members, rows, width, xp, dtype, reduce_dtype)
+        return _Bucket(members, rows, width, xp, dtype, reduce_dtype,
+                       flat_label("ZeroRedundancyOptimizer", [self.params[i] for i in members]))
 
     def _bind_master_grads(self) -> None:
         me = self.group.rank
@@ -270,10 +274,10 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
             row[end:] = 0
         if b in self._grad_flats:
             out = self._grad_flats[b].reshape(1, bucket.width)
-            self._reduce(send, out, grad_scale)
+            self._reduce(bucket, send, out, grad_scale)
             return
         out = self._buffer("narrow", bucket.xp, bucket.reduce_dtype, (1, bucket.width))
-        self._reduce(send, out, grad_scale)
+        self._reduce(bucket, send, out, grad_scale)
         flat = out[0]
         for i, offset, size in bucket.rows[me]:
             p, share = self.params[i], self.shares[i]
@@ -285,8 +289,9 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
             share.data = p.data[rows]
             share.grad[...] = flat[offset: offset + size].reshape(share.grad.shape)
 
-    def _reduce(self, send: Any, out: Any, grad_scale: float) -> None:
-        self.group.reduce_scatter(send, axis=0, out=out)
+    def _reduce(self, bucket: _Bucket, send: Any, out: Any, grad_scale: float) -> None:
+        with label(bucket.name):
+            self.group.reduce_scatter(send, axis=0, out=out)
         if grad_scale != 1.0:
             out *= grad_scale
         # Divide (not multiply by 1/d) to round as allreduce_gradients(average=True) does.
@@ -302,7 +307,8 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
         row[sum(size for _, _, size in bucket.rows[me]):] = 0
         recv = self._buffer("wide", bucket.xp, bucket.dtype, (d, bucket.width))
         # Known extents (one row per rank) spare the collective its size exchange.
-        self.group.all_gather(send, axis=0, out=recv, sizes=self._ones)
+        with label(bucket.name):
+            self.group.all_gather(send, axis=0, out=recv, sizes=self._ones)
         own_rows_updated = not self.masters[bucket.members[0]]
         for k in range(d):
             if k == me and own_rows_updated:

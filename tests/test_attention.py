@@ -1,11 +1,14 @@
 """Sequence-parallel (Ulysses) and tensor-parallel attention against serial references."""
 
+import time
+
 import numpy as np
 import pytest
 
 from layer_helpers import XPS, block, get_xp, numeric_grad, rng_array, self_group
 from mpi_helpers import WORLD, agree, assert_close, raises_everywhere
 from pympar import manager, stats
+from pympar.debug import CollectiveMismatchError
 from pympar.modules import DistributedAttention, ParallelAttention
 from test_ring_attention import reference
 
@@ -198,3 +201,22 @@ def test_attention_without_input_gradient(clean, kind):
     ok &= all(p.grad is None for p in layer.qkv.parameters())
     ok &= not rec.rows  # no all-to-all (Ulysses), no all-reduce of the input gradient (TP)
     agree(ok, f"input_grad=False: results {[type(r) for r in results]}, ops {list(rec.rows)}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensor_parallel_attention_ranks_that_differ_raise(clean):
+    # Heads change no shape the projections' collectives see: only their labels tell.
+    hidden, dtype = 8, np.float64
+    x = rng_array(5, (S, B, hidden), dtype)
+    manager.initialize_parallel(2)
+    first = manager.get_tensor_parallel_rank() == 0
+    for heads in (2, 4):  # the correct case
+        ref = DistributedAttention(hidden, heads, group=self_group(), dtype=dtype, seed=5)
+        layer = ParallelAttention(hidden, heads, dtype=dtype, seed=5)
+        assert_close(layer.forward(x), ref.forward(x), what=f"heads={heads} forward")
+    layer = ParallelAttention(hidden, 2 if first else 4, dtype=dtype, seed=5)
+    start = time.monotonic()
+    raises_everywhere(CollectiveMismatchError, r"ParallelAttention\(heads=(2|4)", layer.forward, x)
+    layer = ParallelAttention(hidden, 2, dtype=dtype, seed=5, causal=first)
+    raises_everywhere(CollectiveMismatchError, r"causal=(True|False)", layer.forward, x)
+    agree(time.monotonic() - start < 10, "the mismatches took more than 10 s to raise")

@@ -1,11 +1,15 @@
 """Linear3D and LayerNorm3D at depth 2 on 8 ranks against serial layers."""
 
+import re
+import time
+
 import numpy as np
 import pytest
 
 from layer_helpers import DTYPES, XPS, get_xp, rng_array, tolerance
-from mpi_helpers import assert_close, assert_equal, raises_everywhere
+from mpi_helpers import agree, assert_close, assert_equal, raises_everywhere
 from pympar import manager, stats
+from pympar.debug import CollectiveMismatchError
 from pympar.modules import GELU, LayerNorm, LayerNorm3D, Linear, Linear3D, layout_3d
 
 ROWS, IN, MID, OUT = 9, 5, 7, 6  # nothing divides evenly at d=2
@@ -130,7 +134,32 @@ def test_3d_collectives_are_labelled_with_their_layer(cube):
     with stats.record() as rec:
         y = norm.forward(fc.forward(x))
         fc.backward(norm.backward(np.ones_like(y)))
-    names = {op.partition(":")[0] for (_, op) in rec.rows}
+    # each layer's label also names its sizes: "Linear3D(5->7, bias=True, dtype=float64)"
+    names = {re.sub(r"\(.*\)", "", op.partition(":")[0]) for (_, op) in rec.rows}
     expected = {"Linear3D.forward", "Linear3D.backward", "LayerNorm3D.forward",
                 "LayerNorm3D.backward"}
     assert names == expected, names
+
+
+@pytest.mark.mpi(min_size=8)
+def test_3d_ranks_with_different_layers_raise(cube):
+    # eps changes no shape and a bias only adds a collective after the others: the labels
+    # tell them apart. Each differs within every input (output) group, so every rank raises.
+    layout = layout_3d()
+    x = rng_array(1, (ROWS, IN), np.float64)
+    fc = Linear3D(IN, MID, dtype=np.float64, seed=4)  # the correct case
+    ref = Linear(IN, MID, dtype=np.float64, seed=4)
+    h = fc.forward(layout.split_input(x))
+    assert_close(fc.layout.gather_output(h), ref.forward(x), what="Linear3D forward")
+    norm = LayerNorm3D(MID, eps=0.5, swap=True, dtype=np.float64)
+    assert_close(norm.layout.gather_input(norm.forward(h)),
+                 LayerNorm(MID, eps=0.5, dtype=np.float64).forward(ref.forward(x)),
+                 what="LayerNorm3D forward")
+    start = time.monotonic()
+    norm = LayerNorm3D(MID, eps=0.5 if norm.layout.output.rank == 0 else 0.25, swap=True,
+                       dtype=np.float64)
+    raises_everywhere(CollectiveMismatchError, r"LayerNorm3D\(7, eps=0.(5|25)", norm.forward, h)
+    fc = Linear3D(IN, MID, bias=layout.input.rank == 0, dtype=np.float64, seed=4)
+    raises_everywhere(CollectiveMismatchError, r"Linear3D\(5->7, bias=(True|False)", fc.forward,
+                      layout.split_input(x))
+    agree(time.monotonic() - start < 10, "the mismatches took more than 10 s to raise")

@@ -276,3 +276,36 @@ def test_allreduce_gradients_skips_frozen():
         agree(ok, f"grads {params[0].grad.ravel()[:1]} {params[1].grad.ravel()[:1]}")
     finally:
         manager.destroy_parallel()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_gradients_in_another_order_raises():
+    import time
+
+    from mpi4py import MPI
+
+    from mpi_helpers import agree, assert_close, raises_everywhere
+    from pympar.debug import CollectiveMismatchError
+    from pympar.group import Group
+
+    world = Group(MPI.COMM_WORLD, "world", range(MPI.COMM_WORLD.size), owns_comm=False)
+    rank, size = world.rank, world.size
+
+    def params(r, shapes):  # rank r's gradients, from a seed of its own
+        rng = np.random.default_rng(r)
+        out = [Parameter(np.zeros(s), name=n) for n, s in zip("ab", shapes)]
+        for p in out:
+            p.grad = rng.standard_normal(p.shape)
+        return out
+
+    for shapes in [(3,), (5,)], [(4,), (4,)]:  # same total size; then the same shapes too
+        a, b = params(rank, shapes)
+        allreduce_gradients([a, b], world)  # the correct case: the mean over ranks
+        everyone = [params(r, shapes) for r in range(size)]
+        assert_close(a.grad, np.mean([p[0].grad for p in everyone], 0), what=f"{shapes} a")
+        assert_close(b.grad, np.mean([p[1].grad for p in everyone], 0), what=f"{shapes} b")
+        a, b = params(rank, shapes)
+        start = time.monotonic()
+        raises_everywhere(CollectiveMismatchError, r"allreduce_gradients\[2 params, layout",
+                          allreduce_gradients, [b, a] if rank == 0 else [a, b], world)
+        agree(time.monotonic() - start < 10, "the mismatch took more than 10 s to raise")

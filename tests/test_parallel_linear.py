@@ -1,13 +1,15 @@
 """Column/Row parallel layers against a serial Linear built from the same full weights."""
 
 import itertools
+import time
 
 import numpy as np
 import pytest
 
 from layer_helpers import DTYPES, XPS, block, get_xp, rng_array, tolerance
-from mpi_helpers import WORLD, assert_close, assert_equal, raises_everywhere
+from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere
 from pympar import manager
+from pympar.debug import CollectiveMismatchError
 from pympar.modules import GELU, ColumnParallelLinear, Linear, RowParallelLinear
 
 S, B, IN, OUT = 7, 2, 5, 7  # uneven for every TP size tested
@@ -141,3 +143,33 @@ def test_bad_input_names_the_layer(clean_state):
     row = RowParallelLinear(8, 4, input_is_parallel=False, dtype=np.float64)
     raises_everywhere(ValueError, r"RowParallelLinear.*\(\.\.\., 8\)", row.forward, np.zeros((2, 4)))
     raises_everywhere(ValueError, "stride=3", ColumnParallelLinear, 4, 12, stride=3)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_layers_raise(clean_state):
+    # A Column 8->h -> Row h->4 chain: the Row all-reduce has shape (rows, 4) whatever h is,
+    # so only the layers' labels (their global sizes) tell rank 0's h=6 from the others' h=8.
+    manager.initialize_parallel(WORLD.size)
+    x = rng_array(20, (3, 8), np.float64)
+    dy = rng_array(21, (3, 4), np.float64)
+    for h in (6, 8):  # the correct case first: every rank builds the same chain
+        col = ColumnParallelLinear(8, h, gather_output=False, dtype=np.float64, seed=1)
+        row = RowParallelLinear(h, 4, input_is_parallel=True, dtype=np.float64, seed=2)
+        fc1, fc2 = Linear(8, h, dtype=np.float64, seed=1), Linear(h, 4, dtype=np.float64, seed=2)
+        assert_close(row.forward(col.forward(x)), fc2.forward(fc1.forward(x)), what=f"h={h} y")
+        assert_close(col.backward(row.backward(dy)), fc1.backward(fc2.backward(dy)),
+                     what=f"h={h} dx")
+        f = block(h, WORLD.size, WORLD.rank)
+        assert_close(col.weight.grad, fc1.weight.grad[f], what=f"h={h} dW1")
+        assert_close(row.weight.grad, fc2.weight.grad[:, f], what=f"h={h} dW2")
+        assert_close(row.bias.grad, fc2.bias.grad, what=f"h={h} db2")
+    h = 6 if WORLD.rank == 0 else 8
+    col = ColumnParallelLinear(8, h, gather_output=False, dtype=np.float64, seed=1)
+    row = RowParallelLinear(h, 4, input_is_parallel=True, dtype=np.float64, seed=2)
+    start = time.monotonic()
+    raises_everywhere(CollectiveMismatchError, r"RowParallelLinear\((6|8)->4",
+                      lambda: row.forward(col.forward(x)))
+    agree(time.monotonic() - start < 10, "the mismatch took more than 10 s to raise")
+    # The same chain on every rank but the sequence-parallel flag on rank 0 only.
+    row = RowParallelLinear(8, 4, use_sequence_parallel=WORLD.rank == 0, dtype=np.float64, seed=2)
+    raises_everywhere(CollectiveMismatchError, r"sequence_parallel=(True|False)", row.forward, x)

@@ -4,6 +4,8 @@ Every case runs on a context group of exactly ``cp`` ranks made from COMM_WORLD 
 ``Comm.Split`` (collectively; the other ranks idle), so CP=3 runs on 4 or 8 ranks.
 """
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -11,8 +13,10 @@ from mpi4py import MPI
 from layer_helpers import XPS, get_xp, numeric_grad, rng_array, tolerance
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import stats
+from pympar.debug import CollectiveMismatchError
 from pympar.group import Group
 from pympar.modules import ContextAttention, blockwise, sequence_segments, split_context_group
+from pympar.modules.ring_attention import ring_attention_backward, ring_attention_forward
 
 B, HIDDEN = 2, 6
 
@@ -289,3 +293,50 @@ def test_zigzag_causal_work_is_equal(monkeypatch, scheme, ulysses_size, tile):
     agree(len(set(zigzag)) == 1 and zigzag[WORLD.rank] == expected and len(set(contiguous)) > 1,
           f"score elements per rank: zigzag {zigzag} (expected {expected} here), "
           f"contiguous {contiguous}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_differ_raise_everywhere():
+    """The ring's point-to-point messages are checked: ranks passing another batch, dtype or
+    head count, or calling backward with another mask, raise instead of mixing blocks."""
+    cp, seq_len = WORLD.size, 2 * WORLD.size + 1
+    group = Group(WORLD, "cp-world", list(range(cp)), owns_comm=False)
+    rows = rows_of(seq_len, cp, group.rank, "contiguous")
+    first = WORLD.rank == 0
+    start = time.monotonic()
+
+    def run(heads=3, batch=B, dtype=np.float64, lens=None):
+        layer = ContextAttention(HIDDEN, heads, group=group, dtype=dtype, seed=4)
+        x = rng_array(8, (seq_len, batch, HIDDEN), dtype)
+        return layer, x, layer.forward(x[rows], key_lengths=lens)
+
+    layer, x, y = run()  # the correct case, against the serial reference
+    dy = rng_array(9, (seq_len, B, HIDDEN), np.float64)
+    weights = [p.data for p in (layer.qkv.weight, layer.qkv.bias, layer.proj.weight,
+                                layer.proj.bias)]
+    expected = reference(x, *weights, 3, False, None, dy)
+    dx = layer.backward(dy[rows])
+    agree(np.allclose(y, expected[0][rows], rtol=1e-12, atol=1e-12)
+          and np.allclose(dx, expected[1][rows], rtol=1e-12, atol=1e-12), "y or dx is wrong")
+    mismatch = CollectiveMismatchError
+    raises_everywhere(mismatch, "ring_attention.forward", run, batch=B + first)
+    raises_everywhere(mismatch, "ring_attention.forward", run,
+                      dtype=np.float32 if first else np.float64)
+    raises_everywhere(mismatch, r"ring_attention.forward.*ContextAttention\(hidden=6, heads=",
+                      run, heads=1 if first else 3)
+    raises_everywhere(ValueError, "different key_lengths", run, lens=np.array([1 + first, 2]))
+    raises_everywhere(ValueError, "different key_lengths", run,  # out of range on rank 0 alone
+                      lens=np.array([1, 2 * seq_len if first else 2]))
+    raises_everywhere(ValueError, r"input of context ranks \[0\] is not \[n, B, 6\]",
+                      layer.forward, np.zeros((len(rows), B, 5 if first else 6)))
+    # Direct calls: backward with another mask on one rank.
+    qh = rng_array(10, (B, 2, len(rows), 3), np.float64)
+    kv = rng_array(11, (2, B, 2, len(rows), 3), np.float64)
+    segments = [sequence_segments(seq_len, cp, c) for c in range(cp)]
+    out, lse = ring_attention_forward(qh, kv, group, segments)
+    raises_everywhere(mismatch, "ring_attention.backward", ring_attention_backward, out, qh, kv,
+                      out, lse, group, segments, causal=first)
+    # A rank whose arrays do not fit its rows makes every rank raise.
+    raises_everywhere(mismatch, "arrays fit=False", ring_attention_forward,
+                      qh[:, :, :-1] if first else qh, kv, group, segments)
+    agree(time.monotonic() - start < 10, "the mismatches took more than 10 s to raise")

@@ -253,3 +253,33 @@ def test_zero_ranks_with_different_parameters_raise_everywhere():
     params = [Parameter(np.ones(4 + (WORLD.rank == WORLD.size - 1)))]
     raises_everywhere(ValueError, "different parameters", ZeroRedundancyOptimizer, params,
                       group=world)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_parameters_in_another_order_raise_everywhere():
+    # Equal shapes pass the constructor's shape check; the names then tell the buckets apart.
+    import time
+
+    from pympar.debug import CollectiveMismatchError
+    from pympar.optim import SGD
+
+    world = Group(MPI.COMM_WORLD, "world", range(WORLD.size), owns_comm=False)
+
+    def params(r):  # rank r's parameters and gradients (the data is the same on every rank)
+        rng = np.random.default_rng(r)
+        out = [Parameter(rng_array(7, (5, 2), np.float64), name=n) for n in "ab"]
+        for p in out:
+            p.grad = rng.standard_normal(p.shape)
+        return out
+
+    everyone = [params(r) for r in range(WORLD.size)]
+    a, b = params(WORLD.rank)
+    ZeroRedundancyOptimizer([a, b], SGD, group=world, lr=0.5).step()  # the correct case
+    for i, p in enumerate((a, b)):
+        expected = everyone[0][i].data - 0.5 * np.mean([q[i].grad for q in everyone], 0)
+        assert_close(p.data, expected, what=f"parameter {i}")
+    a, b = params(WORLD.rank)
+    opt = ZeroRedundancyOptimizer([b, a] if WORLD.rank == 0 else [a, b], SGD, group=world, lr=0.5)
+    start = time.monotonic()
+    raises_everywhere(CollectiveMismatchError, r"ZeroRedundancyOptimizer\[2 params", opt.step)
+    agree(time.monotonic() - start < 10, "the mismatch took more than 10 s to raise")

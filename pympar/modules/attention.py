@@ -178,6 +178,10 @@ class ParallelAttention(Module):
         self.proj = RowParallelLinear(hidden, hidden, bias, input_is_parallel=True,
                                       use_sequence_parallel=use_sequence_parallel, dtype=dtype,
                                       group=group, seed=seed + 1, xp=xp)
+        # The projections' collectives look alike whatever the heads and mask: name them.
+        owner = f"ParallelAttention(heads={self.num_heads}, causal={self.causal})"
+        self.qkv._inside(owner)
+        self.proj._inside(owner)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, num_heads={self.num_heads}, local_heads={self.local_heads}"

@@ -16,6 +16,11 @@ sequence_segments` gives it (``layout="contiguous"``: block ``c`` of the balance
 ``"zigzag"``: chunks ``c`` and ``2P-1-c`` of ``2P``, which balances causal work over the ring).
 Masks: ``causal`` (constructor) and ``key_lengths`` (per call, padding); positions are global,
 so the three schemes give the same result for the same input.
+
+Forward and backward run inside a :func:`pympar.mappings.label` naming the layer's settings,
+which the agreement checks of its all-to-alls and of the ring
+(:func:`pympar.collectives.agree`) compare: ranks that built different layers raise
+:class:`~pympar.debug.CollectiveMismatchError`.
 """
 
 from __future__ import annotations
@@ -127,6 +132,11 @@ class ContextAttention(Module):
         self.ulysses, self.ring = self._groups(ulysses_size, groups)
         self.qkv = Linear(hidden, 3 * hidden, bias, dtype=dtype, seed=seed, xp=xp)
         self.proj = Linear(hidden, hidden, bias, dtype=dtype, seed=seed + 1, xp=xp)
+        name = (f"{type(self).__name__}(hidden={self.hidden}, heads={self.num_heads}, "
+                f"scheme={scheme}, ulysses={1 if self.ulysses is None else self.ulysses.size}, "
+                f"causal={self.causal}, layout={layout}, bias={bias}, "
+                f"dtype={numpy.dtype(dtype).name})")
+        self._forward_label, self._backward_label = name + ".forward", name + ".backward"
 
     def _groups(self, ulysses_size: int | None, groups: Any) -> tuple[Group | None, Group | None]:
         if self.scheme == "ulysses":
@@ -152,22 +162,42 @@ class ContextAttention(Module):
         return (f"hidden={self.hidden}, num_heads={self.num_heads}, scheme={self.scheme}, "
                 f"causal={self.causal}, layout={self.layout}, group={self.group.name}")
 
-    def _ring_segments(self, n: int) -> tuple[int, list]:
-        """The sequence length and every ring rank's global row ranges (after any Ulysses
-        all-to-all); checks that the blocks are the balanced split."""
-        p = self.group.size
-        sizes = tuple(self.group.comm.allgather(n))  # a few bytes: the block lengths
+    def _ring_segments(self, x: Any, key_lengths: Any) -> tuple[int, list, Any]:
+        """The sequence length, every ring rank's global row ranges (after any Ulysses
+        all-to-all) and the checked key lengths.
+
+        One small allgather over the context group carries each rank's block length, whether
+        its input fits the layer, and its key lengths, so that input refused on one rank is
+        refused on every rank (the others would otherwise wait in the ring or all-to-all).
+        """
+        name, p = type(self).__name__, self.group.size
+        fits = x.ndim == 3 and x.shape[2] == self.hidden
+        lens = None if key_lengths is None else numpy.asarray(
+            key_lengths.get() if hasattr(key_lengths, "get") else key_lengths)
+        mine = (x.shape[0] if x.ndim else 0, fits, None if lens is None else
+                (lens.dtype.str, lens.shape, lens.tolist()))
+        everyone = self.group.comm.allgather(mine)  # a few bytes: block lengths, key lengths
+        if not all(fit for _, fit, _ in everyone):
+            bad = [c for c, (_, fit, _) in enumerate(everyone) if not fit]
+            raise ValueError(f"{name}: the input of context ranks {bad} is not [n, B, "
+                             f"{self.hidden}] (this rank's: shape {tuple(x.shape)})")
+        sizes = tuple(n for n, _, _ in everyone)
         seq_len = sum(sizes)
         if sizes != balanced_sizes(seq_len, p):
-            raise ValueError(f"{type(self).__name__}: block lengths {list(sizes)} over the context "
+            raise ValueError(f"{name}: block lengths {list(sizes)} over the context "
                              f"group are not the balanced split of {seq_len} rows "
                              f"{list(balanced_sizes(seq_len, p))}")
+        if any(k != everyone[0][2] for _, _, k in everyone):
+            raise ValueError(f"{name}: the ranks of the context group pass different "
+                             f"key_lengths: {[k and k[2] for _, _, k in everyone]}")
+        # every rank checks the same key lengths, so a refusal is everyone's
+        lens = check_key_lengths(name, lens, x.shape[1], seq_len)
         u = 1 if self.ulysses is None else self.ulysses.size
         ctx = [sequence_segments(seq_len, p, c, self.layout) for c in range(p)]
         # Adjoining segments are kept apart: query tiles then start at chunk boundaries, so
         # under zig-zag every ring rank computes the same number of scores.
         return seq_len, [[s for c in range(j * u, (j + 1) * u) for s in ctx[c] if s[1] > s[0]]
-                         for j in range(p // u)]
+                         for j in range(p // u)], lens
 
     def forward(self, x: Any, key_lengths: Any = None) -> Any:
         """Attend over the whole sequence.
@@ -184,9 +214,12 @@ class ContextAttention(Module):
         array
             ``[n, B, hidden]``, the same rows.
         """
+        with mappings.label(self._forward_label):
+            return self._forward(x, key_lengths)
+
+    def _forward(self, x: Any, key_lengths: Any) -> Any:
+        _, segments, lens = self._ring_segments(x, key_lengths)
         n, batch = x.shape[0], x.shape[1]
-        seq_len, segments = self._ring_segments(n)
-        lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq_len)
         xp = array_module(x)
         qkv = self.qkv.forward(x).reshape(n, batch, 3, self.num_heads, self.head_dim)
         if self.ulysses is not None:
@@ -207,6 +240,10 @@ class ContextAttention(Module):
 
     def backward(self, dy: Any) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
+        with mappings.label(self._backward_label):
+            return self._backward(dy)
+
+    def _backward(self, dy: Any) -> Any:
         qkvh, out_h, lse, segments, lens = self.saved_tensors()
         n, batch = dy.shape[0], dy.shape[1]
         dout = self.proj.backward(dy).reshape(n, batch, self.num_heads, self.head_dim)

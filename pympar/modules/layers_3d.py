@@ -23,12 +23,19 @@ The layout is checked: the 3D layers tag the blocks they return with their layou
 :mod:`pympar.modules.layout_tags`; element-wise layers keep the tag), and a layer given a
 block tagged with another layout raises ``ValueError`` naming ``swap=``, on every rank,
 instead of computing a wrong answer.
+
+Forward and backward run inside a :func:`pympar.mappings.label` naming the layer and its
+global sizes, bias and dtype (``eps`` for the norm), built in the constructor: the
+agreement check of their collectives compares it, so ranks that built different layers
+raise :class:`~pympar.debug.CollectiveMismatchError`. Statistics record the collectives
+under it (``"Linear3D(8->16, bias=True, dtype=float64).forward:all_gather"``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy
 
@@ -46,6 +53,21 @@ from .normalization import layer_norm_backward, layer_norm_forward, local_row_su
 from .sharded_init import init_bias, init_shard
 
 __all__ = ["Layout3D", "layout_3d", "Linear3D", "LayerNorm3D"]
+
+
+def _labelled(method: Callable) -> Callable:
+    """Run ``method`` inside the layer's label for it, ``self._labels[method name]``."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any) -> Any:
+        with label(self._labels[name]):
+            return method(self, *args)
+    return run
+
+
+def _labels(name: str) -> dict[str, str]:
+    return {"forward": name + ".forward", "backward": name + ".backward"}
 
 
 @dataclass(frozen=True)
@@ -218,6 +240,8 @@ class Linear3D(Module):
             self.bias = Parameter(init_bias("uniform", placement, self.in_features, self.dtype,
                                             seed=seed, xp=xp, layer="Linear3D"),
                                   placement=placement)
+        self._labels = _labels(f"Linear3D({self.in_features}->{self.out_features}, bias={bias}, "
+                               f"dtype={self.dtype.name})")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -249,7 +273,7 @@ class Linear3D(Module):
         """All-gather the full weight and bias gradients; collective over the cube."""
         return self._gather_full(self.weight.grad, None if self.bias is None else self.bias.grad)
 
-    @label("Linear3D.forward")
+    @_labelled
     def forward(self, x: Any) -> Any:
         """Return the output block (output layout) for the input block ``x`` (input layout)."""
         layout = self.layout
@@ -271,7 +295,7 @@ class Linear3D(Module):
                                w_rows if self.input_grad else None, y.shape)
         return tag(y, layout.swapped().key)
 
-    @label("Linear3D.backward")
+    @_labelled
     def backward(self, dy: Any) -> Any:
         """Return the input-gradient block (None with ``input_grad=False``); accumulate the
         gradients of unfrozen weight and bias."""
@@ -344,6 +368,8 @@ class LayerNorm3D(Module):
         width = placement.local_shape[0]
         self.weight = Parameter(xp.ones(width, dtype=self.dtype), placement=placement)
         self.bias = Parameter(xp.zeros(width, dtype=self.dtype), placement=placement)
+        self._labels = _labels(f"LayerNorm3D({self.hidden}, eps={self.eps!r}, "
+                               f"dtype={self.dtype.name})")
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, depth={self.layout.depth}, eps={self.eps}"
@@ -353,7 +379,7 @@ class LayerNorm3D(Module):
         local = local_row_sums(*terms)
         return list(self.layout.output.all_reduce(array_module(local[0]).stack(local)))
 
-    @label("LayerNorm3D.forward")
+    @_labelled
     def forward(self, x: Any) -> Any:
         """Normalize each row of the input block ``x`` (same layout out)."""
         self.layout.check(x, repr(self))
@@ -364,7 +390,7 @@ class LayerNorm3D(Module):
         self.save_for_backward(xhat, rstd)
         return tag(y, self.layout.key)
 
-    @label("LayerNorm3D.backward")
+    @_labelled
     def backward(self, dy: Any) -> Any:
         """Return the input-gradient block (None with ``input_grad=False``); accumulate the
         gradients of unfrozen ``gamma`` and ``beta``."""

@@ -6,10 +6,18 @@ needs one all-reduce in forward and one in backward (or, with sequence
 parallelism, an all-gather and a reduce-scatter of the sequence axis instead).
 Both are built from :mod:`pympar.mappings`, whose backward methods are the exact
 adjoints of their forwards, so each layer's backward is the textbook chain rule.
+
+Each layer runs its forward and backward inside a :func:`pympar.mappings.label` naming the
+class, its global sizes and its flags (built once, in the constructor). The collectives'
+agreement check compares that label, so ranks that built different layers raise
+:class:`~pympar.debug.CollectiveMismatchError` even where the collective itself looks alike
+(e.g. a Column 8->6 -> Row 6->4 chain on one rank and 8->8->4 on another: the same
+all-reduce shape), at no extra message. Statistics keep each mapping's own label.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Union
 
 import numpy
@@ -33,12 +41,19 @@ def _matmul_into(xp: Any, a2d: Any, b: Any, rows: int, cols: int, dtype: Any) ->
     return out
 
 
+def _rows(a: Any) -> Any:
+    """``a`` as 2-D ``(rows, last axis)``; unlike ``reshape(-1, n)``, also where a rank's
+    share of the features is empty (more ranks than features: ``n == 0``)."""
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
+
+
 class _TensorParallelLinear(Module):
     """Shared parts: group, shapes, input checks and the local affine math."""
 
     def _setup(self, in_features: int, out_features: int, group: Group | None,
                dtype: Any, skip_bias_add: bool, use_sequence_parallel: bool,
                input_grad: bool) -> None:
+        """Store the common settings (the label comes later: :meth:`_name_calls`)."""
         self.input_grad = bool(input_grad)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -47,6 +62,24 @@ class _TensorParallelLinear(Module):
         self.skip_bias_add = bool(skip_bias_add)
         self.use_sequence_parallel = bool(use_sequence_parallel)
 
+    def _name_calls(self, flags: str) -> None:
+        """Build the labels forward and backward run under: class, global sizes, flags.
+
+        What every rank of the group must share goes in, so that the agreement check of
+        the first collective inside tells apart ranks that built different layers.
+        """
+        self._name = (f"{type(self).__name__}({self.in_features}->{self.out_features}, "
+                      f"{flags}, bias={self.bias is not None}, "
+                      f"skip_bias_add={self.skip_bias_add}, "
+                      f"sequence_parallel={self.use_sequence_parallel}, dtype={self.dtype.name})")
+        self._inside("")
+
+    def _inside(self, owner: str) -> None:
+        """Prefix the labels with the settings of the layer that owns this one (``owner``),
+        for owners whose settings (say, heads) change nothing these collectives can see."""
+        name = f"{owner}/{self._name}" if owner else self._name
+        self._forward_label, self._backward_label = name + ".forward", name + ".backward"
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group={self.group.name}, dtype={self.dtype.name}")
@@ -54,7 +87,7 @@ class _TensorParallelLinear(Module):
     def _local_affine(self, x: Any) -> tuple[Any, Any]:
         """Return ``x @ W_local.T`` (no bias) and ``x`` as 2-D for the backward cache."""
         xp = array_module(x)
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _rows(x)
         w = self.weight.data
         y2d = _matmul_into(xp, x2d, w.T, x2d.shape[0], w.shape[0], w.dtype)
         return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
@@ -64,7 +97,7 @@ class _TensorParallelLinear(Module):
         ``dy @ W_local`` (None with ``input_grad=False``)."""
         xp = array_module(dy)
         w = self.weight.data
-        dy2d = dy.reshape(-1, w.shape[0])
+        dy2d = _rows(dy)
         if self.weight.requires_grad:
             self.weight.accumulate_grad(
                 _matmul_into(xp, dy2d.T, x2d, w.shape[0], w.shape[1], w.dtype), consume=True)
@@ -160,9 +193,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.stride = int(stride)
         split = Split.over(self.group, 0, self.stride)
         self._init_parameters(split, split, bias, init_method, bias_init, seed, xp)
+        self._name_calls(f"gather_output={self.gather_output}, stride={self.stride}")
 
     def forward(self, x: Any) -> Any:
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
+        with mappings.label(self._forward_label):
+            return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
         check_array(self, x, self.in_features, self.dtype)
         if self.use_sequence_parallel:
             total = mappings.gather_from_sequence(x, group=self.group)
@@ -192,6 +230,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
         dbias : array, optional
             With ``skip_bias_add``: the gradient of the returned bias.
         """
+        with mappings.label(self._backward_label):
+            return self._backward(dy, dbias)
+
+    def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
         self._check_grad(dy, (*total_shape[:-1], width))
@@ -201,7 +243,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
                 dbias = mappings.gather_from_hidden.backward(dbias, group=self.group)
         if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
-                dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+                dbias = _rows(dy).sum(axis=0)
             if dbias is not None:
                 self.bias.accumulate_grad(dbias)
         dtotal = self._local_affine_backward(dy, x2d, total_shape)
@@ -264,9 +306,14 @@ class RowParallelLinear(_TensorParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self._init_parameters(Split.over(self.group, 1), None, bias, init_method, bias_init,
                               seed, xp)
+        self._name_calls(f"input_is_parallel={self.input_is_parallel}")
 
     def forward(self, x: Any) -> Any:
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
+        with mappings.label(self._forward_label):
+            return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
         check_array(self, x, width, self.dtype)
         if not self.input_is_parallel:
@@ -295,11 +342,15 @@ class RowParallelLinear(_TensorParallelLinear):
         dbias : array, optional
             With ``skip_bias_add``: the gradient of the returned bias.
         """
+        with mappings.label(self._backward_label):
+            return self._backward(dy, dbias)
+
+    def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, x_shape, y_shape = self.saved_tensors()
         self._check_grad(dy, y_shape)
         if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
-                dbias = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+                dbias = _rows(dy).sum(axis=0)
             if self.use_sequence_parallel:
                 # Each rank saw only its sequence block; the bias is shared by all rows.
                 # Every rank joins the sum, a rank without a bias gradient with zeros.

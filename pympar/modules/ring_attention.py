@@ -15,6 +15,12 @@ block pair at a time and are recomputed in backward from the saved log-sum-exp.
 Arrays are head-major, ``[B, heads, n, dh]``; key and value travel together as
 ``kv [2, B, heads, n, dh]``. Block lengths may differ between ranks; every rank knows them all
 from the segments, so messages have known sizes.
+
+No collective check covers point-to-point messages, so each forward and backward starts with
+one :func:`pympar.collectives.agree` on what the ring's messages depend on (batch, heads,
+head size, dtype, mask, every rank's segments): ranks that differ raise
+:class:`~pympar.debug.CollectiveMismatchError` instead of exchanging blocks of another size
+or meaning.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy
 from mpi4py import MPI
 
 from .. import stats
+from ..collectives import agree
 from ..backend import array_module, cuda_aware, is_cupy_array, mpi_datatype, synchronize
 from ..group import Group
 from .blockwise import OnlineSoftmax, Segments, attend_block, attend_block_backward
@@ -76,6 +83,29 @@ def _rows(segments: Segments) -> int:
     return sum(b - a for a, b in segments)
 
 
+def _agree(group: Group, what: str, qh: Any, kv: Any, segments: Sequence[Segments],
+           causal: bool, lens: Any, *others: Any) -> None:
+    """One agreement check of the ring's settings; then refuse arrays that do not fit them.
+
+    ``others`` (backward: ``dout``, ``out``, ``lse``) must match ``qh`` too. The local shape
+    checks come after the agreement (as a flag in its key), so that a rank with a misshapen
+    array makes every rank raise rather than leave the others waiting in the ring.
+    """
+    rows = _rows(segments[group.rank])
+    fits = (qh.ndim == 4 and kv.shape == (2, *qh.shape) and qh.shape[2] == rows
+            and kv.dtype == qh.dtype and all(o.shape[:3] == qh.shape[:3] for o in others))
+    batch, heads, dh = qh.shape[0], qh.shape[1], qh.shape[-1]
+    key = (what, batch, heads, dh, qh.dtype.str, bool(causal), tuple(tuple(map(tuple, s)) for s in segments),
+           None if lens is None else lens.tobytes(), fits)
+    agree(group, key, f"{what}(batch={batch}, heads={heads}, head_dim={dh}, dtype={qh.dtype}, "
+                      f"causal={bool(causal)}, segments={[list(s) for s in segments]}, "
+                      f"key_lengths={None if lens is None else lens.tolist()}, arrays fit={fits})")
+    if not fits:
+        raise ValueError(f"{what}: qh {tuple(qh.shape)} {qh.dtype}, kv {tuple(kv.shape)} "
+                         f"{kv.dtype} (and the gradients) do not fit this rank's {rows} rows: "
+                         f"expected qh [B, heads, {rows}, dh] and kv [2, *qh.shape]")
+
+
 def _view(buffer: Any, like: Any, rows: int) -> Any:
     """``buffer``'s first elements as a ``[2, B, heads, rows, dh]`` block shaped like ``like``."""
     shape = (like.shape[0], like.shape[1], like.shape[2], rows, like.shape[4])
@@ -117,6 +147,8 @@ def ring_attention_forward(qh: Any, kv: Any, group: Group | None, segments: Sequ
     """
     size = 1 if group is None else group.size
     rank = 0 if group is None else group.rank
+    if size > 1:
+        _agree(group, "ring_attention.forward", qh, kv, segments, causal, lens)
     state = OnlineSoftmax(qh)
     cur, bufs = kv, _buffers(array_module(kv), kv, segments, 2) if size > 1 else None
     for step in range(size):
@@ -158,6 +190,8 @@ def ring_attention_backward(dout: Any, qh: Any, kv: Any, out: Any, lse: Any,
     rank = 0 if group is None else group.rank
     dq = xp.zeros_like(qh) if dq is None else dq
     dkv = xp.zeros_like(kv) if dkv is None else dkv
+    if size > 1:
+        _agree(group, "ring_attention.backward", qh, kv, segments, causal, lens, dout, out, lse)
     delta = (dout * out).sum(axis=-1)
     mine = segments[rank]
     if size == 1:
