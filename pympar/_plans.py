@@ -23,6 +23,8 @@ from . import backend
 MAX_BUFFERS = 16
 MAX_BUFFER_BYTES = 2**31  # per group; one larger message still gets its buffer
 MAX_PLANS = 512
+#: Scratch arrays of twice this many bytes or more start on such a boundary (see _aligned).
+HUGE_PAGE = 2 << 20
 
 
 class Blocks:
@@ -117,9 +119,26 @@ def scratch(group: Any, slot: str, shape: tuple[int, ...], dtype: np.dtype, like
         while buffers and (len(buffers) >= MAX_BUFFERS or
                            sum(b.nbytes for b in buffers.values()) + nbytes > MAX_BUFFER_BYTES):
             del buffers[next(iter(buffers))]
-        xp = np if numpy else backend.array_module(like)
-        buffer = buffers[key] = xp.empty(shape, dtype)
+        if numpy and nbytes >= HUGE_PAGE * 2:
+            buffer = buffers[key] = _aligned(shape, dtype, nbytes)
+        else:
+            xp = np if numpy else backend.array_module(like)
+            buffer = buffers[key] = xp.empty(shape, dtype)
     return buffer
+
+
+def _aligned(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
+    """An empty array starting on a :data:`HUGE_PAGE` boundary (one page more is allocated).
+
+    Linux backs large NumPy allocations with transparent huge pages only on whole,
+    aligned 2 MiB pages; where a buffer starts inside one decides how much of it gets
+    them. On the 2-core test VM a 16 MiB Reduce_scatter_block read its input 10-16% faster
+    from an aligned buffer than from a fresh ``numpy.empty`` in two runs of three (equal in
+    the third).
+    """
+    raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
