@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
+from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import backend, collectives
 from pympar.debug import CollectiveMismatchError
 from pympar.mesh import Mesh
@@ -260,6 +260,20 @@ def test_reduce_scatter(xp, group, axis):
 
 
 # --------------------------------------------------------------------------- all_to_all
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hidden_axis_blocks_through_large_scratch(group):
+    """Scratch buffers of 4 MiB and more (allocated apart, page-aligned) carry the right data."""
+    p, r = group.size, group.rank
+    rng = np.random.default_rng(7)
+    full = [random(rng, (256, 4096), np.dtype(np.float32)) for _ in range(p)]  # 4 MiB each
+    expected = np.array_split(np.sum(full, axis=0, dtype=np.float64), p, axis=-1)[r]
+    got = group.reduce_scatter(full[r], axis=-1)
+    assert_close(got, expected, rtol=1e-5, atol=1e-5, what="reduce_scatter axis -1")
+    blocks = [np.ascontiguousarray(a[:, :2048]) for a in full]
+    assert_equal(group.all_gather(blocks[r], axis=-1, sizes=(2048,) * p),
+                 np.concatenate(blocks, axis=-1), "all_gather axis -1")
 
 
 @pytest.mark.mpi(min_size=1)
