@@ -78,7 +78,7 @@ def within(name: str | None) -> str | None:
 def agree(group: Any, key: tuple, shown: str) -> None:
     """Check that every rank of ``group`` reaches this point with an equal ``key``.
 
-    One agreement check of the collectives' own kind (see the module notes), for
+    One agreement check of the collectives' own kind (see :mod:`pympar.collectives`), for
     communication they do not cover, such as a ring of point-to-point messages, or cover
     too coarsely, such as one flat buffer whose parts every rank must order alike. The
     check compares the enclosing :func:`label` too. Nothing happens on a group of one
@@ -110,10 +110,9 @@ def agree(group: Any, key: tuple, shown: str) -> None:
         plan = remember(group, ("agree", key), Plan(
             key=("agree", key), shown=shown, sig=zlib.crc32(repr(key).encode()) & 0x7FFFFFFF))
     name = within(None)
-    if debug.is_enabled():
+    check(group, plan, name, None)
+    if debug.is_enabled():  # as for every collective: the full comparison after the check
         debug.verify(group, (plan.key, name), debug.describe(shown, name), None, None)
-    else:
-        check(group, plan, name, None)
 
 
 def post(group: Any, plan: Plan, name: str | None) -> int:
@@ -158,7 +157,7 @@ def mismatch(group: Any, key: tuple, name: str | None, shown: str, x: Any) -> No
 
 
 def refuse(group: Any, what: str, error: Exception, name: str | None,
-            others_check: bool) -> None:
+           others_check: bool) -> None:
     """Before this rank raises ``error`` about its own arguments, make the others raise too.
 
     When the other ranks are about to check their call (``others_check``), this rank joins

@@ -229,9 +229,9 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
     only), the others open it by the name it broadcasts, each maps it, and once all have
     it mapped rank 0 unlinks it: nothing is left behind, even if the job dies later. Any
     failure (no such directory, ranks on several nodes) gives a :class:`MessageBoard` on
-    every rank, so that every rank of the group takes the same path. Plain files rather than an MPI shared
-    window: Open MPI's one-sided components print errors on machines without UCX
-    hardware when a window is created, once per rank and group.
+    every rank, so that every rank of the group takes the same path. Plain files rather
+    than an MPI shared window: Open MPI's one-sided components print errors on machines
+    without UCX hardware when a window is created, once per rank and group.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:

@@ -215,6 +215,12 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
+def _refuse(group: pympar.group.Group, what: str, error: Exception, label: str | None,
+            others_check: bool) -> None:
+    """:func:`pympar._agreement.refuse`, under the label the check compares."""
+    _agreement.refuse(group, what, error, _agreement.within(label), others_check)
+
+
 def _checks_every_call() -> bool:
     """Whether every call is checked, whatever its size (see :data:`CHECK_BYTES`)."""
     return CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
@@ -384,7 +390,7 @@ def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = No
             plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _agreement.refuse(group, "all_reduce", err, _agreement.within(label), _checks_every_call())
+        _refuse(group, "all_reduce", err, label, _checks_every_call())
         raise
     return _run(group, plan, x, out, label)
 
@@ -408,7 +414,7 @@ def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
             plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _agreement.refuse(group, "broadcast", err, _agreement.within(label), _checks_every_call())
+        _refuse(group, "broadcast", err, label, _checks_every_call())
         raise
     return _run(group, plan, x, out, label)
 
@@ -475,7 +481,7 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
             _finish(group, plan, key, shape, b.counts + b.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _agreement.refuse(group, "all_gather", err, _agreement.within(label), unknown or _checks_every_call())
+            _refuse(group, "all_gather", err, label, unknown or _checks_every_call())
         raise
     return _run(group, plan, x, out, label, checked)
 
@@ -508,7 +514,7 @@ def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = 
                                                                group.rank),)
             _finish(group, plan, key, x.shape, ())
     except (TypeError, ValueError) as err:
-        _agreement.refuse(group, "reduce_scatter", err, _agreement.within(label), _checks_every_call())
+        _refuse(group, "reduce_scatter", err, label, _checks_every_call())
         raise
     if plan.method is None:
         mine = all_reduce(group, x, op, None, label)[plan.tail]
@@ -543,7 +549,8 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
             _movable(x, "all_to_all")
             sizes, checked = _gathered_sizes(
                 group, x, cat, sizes, "all_to_all",
-                ("all_to_all", masked, _native(x), split, cat, sizes), _agreement.within(label), claim)
+                ("all_to_all", masked, _native(x), split, cat, sizes), _agreement.within(label),
+                claim)
         key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
         plan = group._plans.get(key)
         if plan is None:
@@ -576,6 +583,6 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
                     sb.counts + sb.displs + rb.counts + rb.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _agreement.refuse(group, "all_to_all", err, _agreement.within(label), unknown or _checks_every_call())
+            _refuse(group, "all_to_all", err, label, unknown or _checks_every_call())
         raise
     return _run(group, plan, x, out, label, checked)
