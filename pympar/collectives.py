@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # group.py imports this module
     import pympar.group
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
-           "agree", "balanced_sizes", "block_slice", "large_counts_supported", "INT_MAX",
+           "agree", "refuse", "balanced_sizes", "block_slice", "large_counts_supported", "INT_MAX",
            "CHECK_BYTES"]
 
 #: The largest count or displacement an MPI-3 (``int``) interface can take.
@@ -215,15 +215,46 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
+def refuse(group: pympar.group.Group, what: str, error: Exception, nbytes: int = 0) -> None:
+    """Make every rank raise when this rank refuses its own arguments before a collective.
+
+    Call it just before raising ``error``, where the other ranks of ``group`` are about
+    to make one of these collectives (say, a layer's forward whose input this rank
+    refuses): this rank joins the agreement check they make with a signature no call has,
+    so they raise :class:`~pympar.debug.CollectiveMismatchError` naming ``error`` instead
+    of waiting for this rank. It returns, for this rank to raise ``error``, when every
+    rank refused; otherwise it raises that mismatch error here too. Do not call it where
+    the others make no collective next: this rank would wait for them.
+
+    Parameters
+    ----------
+    group : Group
+        The group of the collective the others are about to make.
+    what : str
+        The call refused, in words (``"RowParallelLinear.forward"``).
+    error : Exception
+        What this rank is about to raise.
+    nbytes : int
+        The size of the collective's global array, as far as this rank can tell: with a
+        raised ``PYMPAR_CHECK_BYTES``, calls below it are not checked, so this rank does
+        not join them.
+    """
+    _refuse(group, what, error, None, _checks_every_call() or nbytes >= CHECK_BYTES)
+
+
 def _refuse(group: pympar.group.Group, what: str, error: Exception, label: str | None,
             others_check: bool) -> None:
     """:func:`pympar._agreement.refuse`, under the label the check compares."""
     _agreement.refuse(group, what, error, _agreement.within(label), others_check)
 
 
-def _checks_every_call() -> bool:
-    """Whether every call is checked, whatever its size (see :data:`CHECK_BYTES`)."""
-    return CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
+def _checks_every_call(x: Any = None, ranks: int = 1) -> bool:
+    """Whether the other ranks check this call: every call is checked unless
+    :data:`CHECK_BYTES` is raised; then only calls whose global array (``ranks`` blocks
+    like ``x``, as far as this rank can tell) reaches it, and all under a timeout or
+    debug mode."""
+    return (CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
+            or getattr(x, "nbytes", 0) * ranks >= CHECK_BYTES)
 
 
 def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
@@ -244,12 +275,14 @@ def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
     raise _unfit(x, out, plan.out_shape, plan.shown)
 
 
-def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str) -> Exception:
-    """The error of an ``out`` that is not an array of ``x``'s kind and dtype and ``shape``."""
+def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
+           dtype: np.dtype | None = None) -> Exception:
+    """The error of an ``out`` that is not an array of ``x``'s kind, ``dtype`` (``x``'s by
+    default) and ``shape``."""
     return (TypeError if type(out) is not type(x) else ValueError)(
         f"{shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} and "
         f"dtype {getattr(out, 'dtype', '?')}, which does not fit: expected a "
-        f"{type(x).__name__} of shape {shape} and dtype {x.dtype}"
+        f"{type(x).__name__} of shape {shape} and dtype {dtype or x.dtype}"
         + (" (-1: the gathered extent)" if -1 in shape else ""))
 
 
@@ -259,12 +292,14 @@ def _claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> i
     extents are (``shape`` is the result's, with -1 along ``axis``)."""
     if out is None:
         return 0
-    if (type(out) is type(x) and out.dtype == x.dtype and out.ndim == len(shape)
+    # The result has the input's dtype in native byte order (see _run), and so must out.
+    native = x.dtype.newbyteorder("=")
+    if (type(out) is type(x) and out.dtype == native and out.ndim == len(shape)
             and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
         if type(x) is np.ndarray and np.may_share_memory(out, x):
             raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
         return out.shape[axis] + 1
-    raise _unfit(x, out, shape, shown)
+    raise _unfit(x, out, shape, shown, native)
 
 
 def _run(group: pympar.group.Group, plan: Plan, x: Any, out: Any, name: str | None,
@@ -390,7 +425,7 @@ def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = No
             plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _refuse(group, "all_reduce", err, label, _checks_every_call())
+        _refuse(group, "all_reduce", err, label, _checks_every_call(x))
         raise
     return _run(group, plan, x, out, label)
 
@@ -414,7 +449,7 @@ def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
             plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _refuse(group, "broadcast", err, label, _checks_every_call())
+        _refuse(group, "broadcast", err, label, _checks_every_call(x))
         raise
     return _run(group, plan, x, out, label)
 
@@ -481,7 +516,8 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
             _finish(group, plan, key, shape, b.counts + b.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _refuse(group, "all_gather", err, label, unknown or _checks_every_call())
+            _refuse(group, "all_gather", err, label,
+                    unknown or _checks_every_call(x, group.size))
         raise
     return _run(group, plan, x, out, label, checked)
 
@@ -514,7 +550,7 @@ def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = 
                                                                group.rank),)
             _finish(group, plan, key, x.shape, ())
     except (TypeError, ValueError) as err:
-        _refuse(group, "reduce_scatter", err, label, _checks_every_call())
+        _refuse(group, "reduce_scatter", err, label, _checks_every_call(x))
         raise
     if plan.method is None:
         mine = all_reduce(group, x, op, None, label)[plan.tail]
@@ -583,6 +619,6 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
                     sb.counts + sb.displs + rb.counts + rb.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _refuse(group, "all_to_all", err, label, unknown or _checks_every_call())
+            _refuse(group, "all_to_all", err, label, unknown or _checks_every_call(x))
         raise
     return _run(group, plan, x, out, label, checked)
