@@ -83,12 +83,15 @@ def _block_range(n: int, parts: int, rank: int) -> tuple[int, int]:
 # A step is one direction of a mapping: step(group, x, out, sizes, name, /, **options) -> y,
 # where sizes (every rank's extent of the gathered axis, from global_size=) is None unless
 # the caller knows them, and name labels the collective. Positional-only, so no option can
-# collide.
+# collide. Each carries what Mapping._apply checks before it runs: ``options`` (the keywords
+# it takes), ``gathered`` (options -> the axis whose global extent global_size= gives, or
+# None: it takes no global_size=) and ``sends`` (whether it makes a collective).
 
 
-def _no_sizes(sizes: Any, what: str) -> None:
-    if sizes is not None:
-        raise TypeError(f"{what} gathers nothing: it takes no global_size=")
+def _step(step: Step, options: tuple[str, ...] = (), gathered: Callable | None = None,
+          sends: bool = True) -> Step:
+    step.options, step.gathered, step.sends = frozenset(options), gathered, sends
+    return step
 
 
 def _local(x: Any, name: str | None) -> Any:
@@ -102,7 +105,6 @@ def _local(x: Any, name: str | None) -> Any:
 
 def _identity(group: Group, x: Any, out: Any, sizes: Any = None, name: Any = None, /) -> Any:
     x = _local(x, name)
-    _no_sizes(sizes, "identity")
     if out is None or out is x:
         return x
     out[...] = x
@@ -110,14 +112,12 @@ def _identity(group: Group, x: Any, out: Any, sizes: Any = None, name: Any = Non
 
 
 def _all_reduce(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
-    _no_sizes(sizes, "all-reduce")
     return collectives.all_reduce(group, x, "sum", out, name)
 
 
 def _keep_block(axis: int) -> Step:
     def keep_block(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
         x = _local(x, name)
-        _no_sizes(sizes, "keep my block")
         if not x.ndim:
             raise ValueError("keep my block: the input has no axis to split")
         ax = axis if axis >= 0 else axis + x.ndim
@@ -128,20 +128,19 @@ def _keep_block(axis: int) -> Step:
             return block if block.flags.c_contiguous else block.copy()
         out[...] = block
         return out
-    return keep_block
+    return _step(keep_block, sends=False)
 
 
 def _gather(axis: int) -> Step:
     def all_gather(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
         return collectives.all_gather(group, x, axis, out, sizes, name)
-    return all_gather
+    return _step(all_gather, gathered=lambda options: axis)
 
 
 def _reduce_scatter(axis: int) -> Step:
     def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
-        _no_sizes(sizes, "reduce-scatter")
         return collectives.reduce_scatter(group, x, axis, out, "sum", name)
-    return reduce_scatter
+    return _step(reduce_scatter)
 
 
 def _reduce_scatter_or_keep(axis: int) -> Step:
@@ -152,7 +151,7 @@ def _reduce_scatter_or_keep(axis: int) -> Step:
         # False: the forward's output was replicated (counted once), so its
         # adjoint is the plain split, not a sum over ranks.
         return (reduce if tensor_parallel_output_grad else keep)(group, x, out, sizes, name)
-    return reduce_scatter
+    return _step(reduce_scatter, ("tensor_parallel_output_grad",))
 
 
 def _all_to_all(split_heads: bool) -> Step:
@@ -160,7 +159,15 @@ def _all_to_all(split_heads: bool) -> Step:
                    seq_axis: int = SEQUENCE, head_axis: int = HIDDEN) -> Any:
         split, concat = (head_axis, seq_axis) if split_heads else (seq_axis, head_axis)
         return collectives.all_to_all(group, x, split, concat, out, sizes, name)
-    return all_to_all
+
+    def gathered(options: dict[str, Any]) -> int:
+        return options.get("seq_axis", SEQUENCE) if split_heads else \
+            options.get("head_axis", HIDDEN)
+    return _step(all_to_all, ("seq_axis", "head_axis"), gathered)
+
+
+_step(_identity, sends=False)
+_step(_all_reduce)
 
 
 # ----------------------------------------------------------------- mapping
@@ -244,16 +251,53 @@ class Mapping:
             global_size = options.pop("size")
         step, name = self._steps[direction]
         group = manager.resolve_group(group, self.name, self._default_axis)
-        if group.size == 1:
-            return _identity(group, x, out, None, name)
-        sizes = None if global_size is None else balanced_sizes(global_size, group.size)
-        if collectives._hooked and debug.is_enabled():
+        if collectives._hooked and debug.is_enabled() and group.size > 1:
             # Every rank must call the same mapping, even one whose step communicates
             # nothing (copy_to_all's forward): compared here, in debug mode.
             debug.check_mapping(group, name, x, dict(options, global_size=global_size))
+        if (global_size is not None and step.gathered is None) or (
+                options and not step.options.issuperset(options)):
+            _refuse_options(step, name, group, x, global_size, options)
+        if group.size == 1:
+            return _alone(step, name, x, out, global_size, options)
+        sizes = None if global_size is None else balanced_sizes(global_size, group.size)
         # (Unpacking an empty **options still costs a dict; skip it.)
         return step(group, x, out, sizes, name, **options) if options else \
             step(group, x, out, sizes, name)
+
+
+def _refuse_options(step: Step, name: str, group: Group, x: Any, global_size: Any,
+                    options: dict[str, Any]) -> None:
+    """Raise for keywords ``step`` does not take, on every rank where the others communicate."""
+    if global_size is not None and step.gathered is None:
+        error = TypeError(f"{name} gathers nothing: it takes no global_size=")
+    else:
+        unknown = sorted(set(options) - step.options)
+        error = TypeError(f"{name} takes no keyword {', '.join(unknown)} (it takes "
+                          f"{', '.join(sorted(step.options)) or 'none'})")
+    if group.size > 1 and step.sends:
+        collectives.refuse(group, name, error, getattr(x, "nbytes", 0))
+    raise error
+
+
+def _alone(step: Step, name: str, x: Any, out: Any, global_size: Any,
+           options: dict[str, Any]) -> Any:
+    """A mapping on a group of one rank: its input itself, once the call is checked as the
+    ranks of a larger group would check it."""
+    x = _local(x, name)
+    if global_size is not None:
+        axis = step.gathered(options)
+        if not -x.ndim <= axis < x.ndim or x.shape[axis] != global_size:
+            raise ValueError(f"{name}: global_size={global_size} is not the extent of axis "
+                             f"{axis} of this rank's input of shape {x.shape} (one rank "
+                             f"holds all of it)")
+    if out is not None and out is not x and (
+            type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype):
+        raise (TypeError if type(out) is not type(x) else ValueError)(
+            f"{name}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} "
+            f"and dtype {getattr(out, 'dtype', '?')}, expected one of shape {x.shape} and "
+            f"dtype {x.dtype}")
+    return _identity(None, x, out, None, name)
 
 
 def _mapping(name: str, forward: Step, backward: Step, doc: str,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import manager, mappings, stats
+from pympar import debug, manager, mappings, stats
 from pympar.mesh import Mesh
 from pympar.modules.parallel_linear import ColumnParallelLinear
 import test_collectives as shared
@@ -281,3 +281,36 @@ def test_a_layer_refuses_a_non_array_input(group):
         raises_everywhere(TypeError, rf"ColumnParallelLinear\(.*\): expected a numpy.ndarray or "
                           rf"cupy.ndarray as input, got {type(wrong).__name__}", layer.forward,
                           wrong)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keywords_one_rank_gets_wrong_raise_on_every_rank(group):
+    """A keyword refused on one rank before any message: the others raise too, not wait."""
+    odd = group.rank == 1
+    x = np.ones((2 * group.size, 3))
+    raises_everywhere(debug.CollectiveMismatchError if group.size > 1 else TypeError,
+                      "gathers nothing: it takes no global_size=", mappings.copy_to_all.backward,
+                      x, group, global_size=7 if odd else None)
+    call = (lambda: mappings.reduce_from_all(x, group, seq_axis=0)) if odd else \
+        (lambda: mappings.reduce_from_all(x, group))
+    raises_everywhere(debug.CollectiveMismatchError,
+                      "reduce_from_all.forward takes no keyword seq_axis", call)
+    # The same mistake on every rank: each raises the plain error.
+    raises_everywhere(TypeError, "reduce_scatter_to_sequence.forward gathers nothing",
+                      mappings.reduce_scatter_to_sequence, x, group, global_size=2)
+    agree(np.array_equal(mappings.reduce_from_all(x, group), x * group.size), "in step after")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_group_of_one_checks_what_a_larger_group_would(solo):
+    """On one rank the mapping returns its input, but the call is still checked."""
+    x = np.ones((3, 4))
+    raises_everywhere(ValueError, "global_size=99 is not the extent of axis 0",
+                      mappings.gather_from_sequence, x, solo, global_size=99)
+    agree(mappings.gather_from_sequence(x, solo, global_size=3) is x, "the input itself")
+    raises_everywhere(ValueError, "global_size=5 is not the extent of axis -1",
+                      mappings.scatter_to_hidden.backward, x, solo, global_size=5)
+    raises_everywhere(TypeError, "copy_to_all.forward takes no keyword seq_axis",
+                      mappings.copy_to_all, x, solo, seq_axis=0)
+    raises_everywhere(ValueError, "out is a ndarray of shape \\(5,\\)", mappings.reduce_from_all,
+                      x, solo, out=np.empty(5))
