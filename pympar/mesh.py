@@ -160,9 +160,14 @@ def check_sizes(sizes: Mapping[str, int]) -> dict[str, int]:
 
     Raises
     ------
+    TypeError
+        When ``sizes`` is not a mapping.
     ValueError
         When a size is not a positive integer.
     """
+    if not isinstance(sizes, Mapping):
+        raise TypeError(f"sizes must be a mapping of axis names to sizes, such as "
+                        f"{{'dp': 2, 'tp': 4}}, not {type(sizes).__name__}")
     checked = {}
     for axis, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
@@ -289,10 +294,10 @@ class Mesh:
             self.sizes = check_sizes(sizes)
             self.axes = parse_order("-".join(self.sizes) if order is None else order,
                                     self.sizes)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             # Still agree first (an erring rank must not leave the others waiting),
             # with the error as this rank's arguments.
-            check_same(self.comm, "Mesh", f"{dict(sizes)!r}, order={order!r}: {err}")
+            check_same(self.comm, "Mesh", f"{sizes!r}, order={order!r}: {err}")
             raise
         shape = " x ".join(f"{a}={self.sizes[a]}" for a in self.axes)
         check_same(self.comm, "Mesh", f"{shape}, innermost first")

@@ -126,6 +126,15 @@ def test_a_bad_size_on_one_rank_raises_on_every_rank():
                       Mesh, WORLD, sizes)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_sizes_that_are_not_a_mapping_raise_on_every_rank():
+    raises_everywhere(TypeError, "sizes must be a mapping of axis names to sizes, such as .*"
+                      "not list", Mesh, WORLD, [("a", WORLD.size)])
+    if WORLD.size > 1:  # on one rank only: the others raise too instead of waiting
+        sizes = None if WORLD.rank == 0 else {"a": WORLD.size}
+        raises_everywhere(CollectiveMismatchError, "not NoneType", Mesh, WORLD, sizes)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_groups_created_in_different_orders_raise_on_every_rank():
     mesh = Mesh(WORLD, {"a": WORLD.size, "b": 1})
