@@ -26,12 +26,10 @@ __all__ = ["label", "within", "agree", "post", "settle", "check", "mismatch", "r
 _label: str | None = None
 
 
-class label(contextlib.ContextDecorator):
+def label(name: str) -> _Label:
     """Name the collectives called inside a ``with`` block, in statistics and errors.
 
-    Also usable as a decorator (``@label("Linear3D.forward")``). A class rather than a
-    generator-based context manager: layers enter one per forward, and this costs a
-    third as much.
+    Also usable as a decorator (``@label("Linear3D.forward")``).
 
     Parameters
     ----------
@@ -42,6 +40,12 @@ class label(contextlib.ContextDecorator):
         :class:`~pympar.debug.CollectiveMismatchError`.
         Mappings label their own collectives (``"gather_from_sequence.forward"``).
     """
+    return _Label(name)
+
+
+class _Label(contextlib.ContextDecorator):
+    """The block :func:`label` returns: a small class rather than a generator-based context
+    manager, since layers enter one per forward and this costs a third as much."""
 
     __slots__ = ("name",)
 
