@@ -1,0 +1,83 @@
+"""A layer input that one rank alone refuses raises on every rank (no rank waits for ever)."""
+
+import time
+
+import numpy as np
+import pytest
+
+from mpi_helpers import WORLD, agree, assert_close, raises_everywhere
+from pympar import debug, manager
+from pympar.debug import CollectiveMismatchError
+from pympar.modules import ColumnParallelLinear, Linear, RowParallelLinear
+
+
+@pytest.fixture
+def tp_world(clean_state):
+    """Tensor parallelism over the world, under a timeout: a rank left waiting raises
+    instead of hanging the run."""
+    manager.initialize_parallel(WORLD.size)
+    debug.set_timeout(8)
+    yield
+    debug.set_timeout(None)
+
+
+def _everywhere_within(pattern, func, *args):
+    start = time.monotonic()
+    if WORLD.size == 1:  # nobody else: the refusal itself is what comes back
+        with pytest.raises((TypeError, ValueError), match="expected"):
+            func(*args)
+    else:
+        raises_everywhere(CollectiveMismatchError, pattern, func, *args)
+    agree(time.monotonic() - start < 10, "the refusal took more than 10 s to reach every rank")
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((3, 2, 8)), rng.standard_normal((3, 2, 4))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_row_forward_refused_on_one_rank(tp_world):
+    x, dy = _data()
+    ref = Linear(8, 4, dtype=np.float64, seed=2)
+    row = RowParallelLinear(8, 4, dtype=np.float64, seed=2)
+    assert_close(row.forward(x), ref.forward(x), what="y")  # the correct case first
+    assert_close(row.backward(dy), ref.backward(dy), what="dx")
+    bad = x.astype(np.float32) if WORLD.rank == 0 else x
+    _everywhere_within(r"RowParallelLinear\.forward, refused by this rank|disagree", row.forward,
+                       bad)
+    assert_close(row.forward(x), ref.forward(x), what="y after the refusal")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sp", [False, True])
+def test_column_refused_on_one_rank(tp_world, sp):
+    x, _ = _data()
+    dy = np.random.default_rng(6).standard_normal((3, 2, 6))
+    ref = Linear(8, 6, dtype=np.float64, seed=1)
+    rows = np.array_split(np.arange(3), WORLD.size)[WORLD.rank]
+    col = ColumnParallelLinear(8, 6, gather_output=True, use_sequence_parallel=sp,
+                               dtype=np.float64, seed=1)
+    xin = x[rows] if sp else x
+    assert_close(col.forward(xin), ref.forward(x), what="y")
+    dx_ref = ref.backward(dy)
+    assert_close(col.backward(dy), dx_ref[rows] if sp else dx_ref, what="dx")
+    # A forward input of the wrong width on one rank: the gather comes next.
+    bad = xin[..., :-1] if WORLD.rank == WORLD.size - 1 else xin
+    _everywhere_within(r"ColumnParallelLinear\.forward, refused by this rank|disagree",
+                       col.forward, bad)
+    col.forward(xin)
+    # An output gradient of the wrong shape on one rank: the input gradient's sum follows.
+    bad = dy[:, :, :-1] if WORLD.rank == 0 else dy
+    _everywhere_within(r"ColumnParallelLinear\.backward, refused by this rank|disagree",
+                       col.backward, bad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_row_backward_refused_on_one_rank(tp_world):
+    x, dy = _data()
+    row = RowParallelLinear(8, 4, dtype=np.float64, seed=2)
+    row.forward(x)
+    bad = [dy] if WORLD.rank == 0 else dy  # not an array on rank 0
+    _everywhere_within(r"RowParallelLinear\.backward, refused by this rank|disagree",
+                       row.backward, bad)
