@@ -8,7 +8,8 @@ import pytest
 from mpi_helpers import WORLD, agree, assert_close, raises_everywhere
 from pympar import debug, manager
 from pympar.debug import CollectiveMismatchError
-from pympar.modules import ColumnParallelLinear, Linear, RowParallelLinear
+from pympar.modules import ColumnParallelLinear, Linear, ParallelAttention, RowParallelLinear
+from test_attention import serial_reference
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def tp_world(clean_state):
 def _everywhere_within(pattern, func, *args):
     start = time.monotonic()
     if WORLD.size == 1:  # nobody else: the refusal itself is what comes back
-        with pytest.raises((TypeError, ValueError), match="expected"):
+        with pytest.raises((TypeError, ValueError), match="expected|must"):
             func(*args)
     else:
         raises_everywhere(CollectiveMismatchError, pattern, func, *args)
@@ -81,3 +82,27 @@ def test_row_backward_refused_on_one_rank(tp_world):
     bad = [dy] if WORLD.rank == 0 else dy  # not an array on rank 0
     _everywhere_within(r"RowParallelLinear\.backward, refused by this rank|disagree",
                        row.backward, bad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_attention_key_lengths_that_differ_raise(tp_world):
+    seq, batch, hidden, heads = 5, 2, 16, 8
+    rng = np.random.default_rng(7)
+    x, dy = rng.standard_normal((seq, batch, hidden)), rng.standard_normal((seq, batch, hidden))
+    lens = np.array([seq, 2])
+    y_ref, dx_ref, *_ = serial_reference(hidden, heads, 5, False, lens, x, dy)
+    layer = ParallelAttention(hidden, heads, dtype=np.float64, seed=5)
+    assert_close(layer.forward(x, key_lengths=lens), y_ref, what="forward")  # the correct case
+    assert_close(layer.backward(dy), dx_ref, what="dx")
+    if WORLD.size > 1:  # the mask is local: only the lengths' check can tell
+        start = time.monotonic()
+        mine = lens if WORLD.rank else np.array([3, 2])
+        raises_everywhere(CollectiveMismatchError, "key_lengths", layer.forward, x, mine)
+        # Given on one rank only: that check meets the others' output projection's.
+        raises_everywhere(CollectiveMismatchError, "disagree", layer.forward, x,
+                          None if WORLD.rank else lens)
+        agree(time.monotonic() - start < 10, "the mismatches took more than 10 s to raise")
+    # Lengths one rank alone refuses (out of range there).
+    bad = np.array([seq + 1, 2]) if WORLD.rank == 0 else lens
+    _everywhere_within(r"ParallelAttention\.forward, refused by this rank|disagree|key_lengths",
+                       layer.forward, x, bad)
