@@ -8,7 +8,8 @@ import pytest
 from mpi_helpers import WORLD, agree, assert_close, raises_everywhere
 from pympar import debug, manager
 from pympar.debug import CollectiveMismatchError
-from pympar.modules import ColumnParallelLinear, Linear, ParallelAttention, RowParallelLinear
+from pympar.modules import (ColumnParallelLinear, ContextAttention, LayerNorm, LayerNorm3D, Linear,
+                            ParallelAttention, RowParallelLinear)
 from test_attention import serial_reference
 
 
@@ -106,3 +107,42 @@ def test_attention_key_lengths_that_differ_raise(tp_world):
     bad = np.array([seq + 1, 2]) if WORLD.rank == 0 else lens
     _everywhere_within(r"ParallelAttention\.forward, refused by this rank|disagree|key_lengths",
                        layer.forward, x, bad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_context_attention_dtype_refused_on_one_rank(clean_state):
+    manager.initialize_parallel(context_parallel_size=WORLD.size)
+    seq, batch, hidden, heads = 9, 2, 8, 2
+    rng = np.random.default_rng(8)
+    x, dy = rng.standard_normal((seq, batch, hidden)), rng.standard_normal((seq, batch, hidden))
+    y_ref, *_ = serial_reference(hidden, heads, 4, False, None, x, dy)
+    rows = np.array_split(np.arange(seq), WORLD.size)[WORLD.rank]
+    layer = ContextAttention(hidden, heads, scheme="ring", dtype=np.float64, seed=4)
+    assert_close(layer.forward(x[rows]), y_ref[rows], what="forward")  # the correct case
+    bad = x[rows].astype(np.float32) if WORLD.rank == 0 else x[rows]
+    start = time.monotonic()
+    raises_everywhere(ValueError, r"the input of context ranks \[0\] is not \[n, B, 8\] float64",
+                      layer.forward, bad)
+    agree(time.monotonic() - start < 10, "the refusal took more than 10 s to reach every rank")
+
+
+@pytest.mark.mpi(min_size=8)
+def test_layernorm3d_forward_refused_on_one_rank(cube):
+    debug.set_timeout(8)
+    try:
+        hidden = 7
+        ref = LayerNorm(hidden, dtype=np.float64)
+        x = np.random.default_rng(9).standard_normal((8, hidden)) * 3 + 1
+        norm = LayerNorm3D(hidden, dtype=np.float64)
+        layout = norm.layout
+        y = norm.forward(layout.split_input(x))  # the correct case
+        assert_close(layout.gather_input(y), ref.forward(x), what="forward")
+        # One rank of every output group (the only group of the forward's collective).
+        block = layout.split_input(x)
+        bad = block.astype(np.float32) if layout.output.rank == 0 else block
+        start = time.monotonic()
+        raises_everywhere(CollectiveMismatchError, r"LayerNorm3D\.forward, refused by this rank",
+                          norm.forward, bad)
+        agree(time.monotonic() - start < 10, "the refusal took more than 10 s to reach every rank")
+    finally:
+        debug.set_timeout(None)
