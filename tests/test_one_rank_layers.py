@@ -103,6 +103,14 @@ def test_attention_key_lengths_that_differ_raise(tp_world):
         raises_everywhere(CollectiveMismatchError, "disagree", layer.forward, x,
                           None if WORLD.rank else lens)
         agree(time.monotonic() - start < 10, "the mismatches took more than 10 s to raise")
+    # An input, then an output gradient, that one rank alone refuses.
+    bad = x[..., :-1] if WORLD.rank == 0 else x
+    _everywhere_within(r"ParallelAttention\.forward, refused by this rank|disagree",
+                       layer.forward, bad)
+    layer.forward(x, key_lengths=lens)
+    bad = dy.astype(np.float32) if WORLD.rank == 0 else dy
+    _everywhere_within(r"ParallelAttention\.backward, refused by this rank|disagree",
+                       layer.backward, bad)
     # Lengths one rank alone refuses (out of range there).
     bad = np.array([seq + 1, 2]) if WORLD.rank == 0 else lens
     _everywhere_within(r"ParallelAttention\.forward, refused by this rank|disagree|key_lengths",

@@ -194,7 +194,12 @@ class ParallelAttention(Module):
         ``key_lengths`` (``[B]`` integers, optional): keys at positions ``>= key_lengths[b]``
         are padding.
         """
-        qkv = self.qkv.forward(x)
+        try:
+            qkv = self.qkv.forward(x)
+        except (TypeError, ValueError) as error:
+            # The others go on to the output projection's sum (or the lengths' check).
+            collectives.refuse(self.qkv.group, "ParallelAttention.forward", error)
+            raise
         seq, batch = qkv.shape[0], qkv.shape[1]
         lens = self._key_lengths(key_lengths, batch, seq)
         pos = numpy.arange(seq)
@@ -227,7 +232,14 @@ class ParallelAttention(Module):
     def backward(self, dy: Any) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
         (cache,) = self.saved_tensors()
-        dout = self.proj.backward(dy)
+        try:
+            dout = self.proj.backward(dy)
+        except (TypeError, ValueError) as error:
+            # Without sequence parallelism the projection's backward communicates nothing:
+            # the others' next collective is the QKV input gradient's sum, if any.
+            if not self.proj.use_sequence_parallel and self.input_grad:
+                collectives.refuse(self.qkv.group, "ParallelAttention.backward", error)
+            raise
         if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):
             return None  # nothing below the output projection needs a gradient
         seq, batch = dout.shape[0], dout.shape[1]
