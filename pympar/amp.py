@@ -20,6 +20,8 @@ from mpi4py import MPI
 
 from . import manager
 from .backend import array_module
+from .collectives import label
+from .debug import CollectiveMismatchError
 from .group import Group
 from .modules.core import Module
 from .modules.parameter import Parameter
@@ -78,10 +80,19 @@ class GradScaler:
         Applied after a step with inf/NaN (that step is skipped).
     growth_interval : int, default 2000
     enabled : bool, default True
-        False: ``scale`` is the identity, ``step`` just steps, ``update`` does nothing.
+        False: ``scale`` is the identity, ``step`` just steps (after the check below),
+        ``update`` does nothing.
     comm : mpi4py.MPI.Intracomm, optional
-        Where the found-inf flag is agreed (one ``Allreduce(MAX)`` per step); default the
-        parallel state's world (every TP, CP and DP rank) or ``MPI.COMM_WORLD``.
+        Where the found-inf flag is agreed (one small all-reduce per step); default the
+        parallel state's world (every TP, CP and DP rank) or ``MPI.COMM_WORLD``. Building
+        the scaler is collective over it.
+
+    Notes
+    -----
+    Every :meth:`step`, enabled or not, makes one checked pympar all-reduce on ``comm``
+    under a label naming ``enabled`` and the growth settings, and carrying the scale and
+    growth counter: ranks whose scalers differ in any of these raise
+    :class:`~pympar.debug.CollectiveMismatchError` on every rank instead of stepping apart.
 
     Attributes
     ----------
@@ -106,7 +117,13 @@ class GradScaler:
         self._growth_tracker = 0
         self.found_inf: bool | None = None
         self._comm = manager.parallel_comm() if comm is None else comm
-        self._flag = np.zeros(1, dtype=np.int32)
+        self._group = _group_of(self._comm)
+        self._label = (f"GradScaler(enabled={self.enabled}, growth_factor={self.growth_factor}, "
+                       f"backoff_factor={self.backoff_factor}, "
+                       f"growth_interval={self.growth_interval}).step")
+        # [found inf, scale, -scale, growth counter, -growth counter], reduced with max:
+        # the flag is agreed, and ranks holding another scale or counter tell apart.
+        self._flag = np.zeros(5, dtype=np.float64)
 
     def get_scale(self) -> float:
         """float: The current scale (1.0 when disabled)."""
@@ -129,12 +146,23 @@ class GradScaler:
         bool
             True when the step ran, False when it was skipped (on every rank alike).
         """
+        flag = self._flag
+        if self.enabled:
+            flag[:] = (_has_nonfinite(optimizer.params), self._scale, -self._scale,
+                       self._growth_tracker, -self._growth_tracker)
+        else:
+            flag[:] = 0.0
+        with label(self._label):  # ranks disabled where others are enabled raise here
+            self._group.all_reduce(flag, op="max", out=flag)
+        if flag[1] != -flag[2] or flag[3] != -flag[4]:
+            raise CollectiveMismatchError(
+                f"GradScaler.step: the ranks of group {self._group.name!r} hold different "
+                f"scales (from {0.0 - flag[2]} to {flag[1]}) or growth counters (from "
+                f"{0.0 - flag[4]:.0f} to {flag[3]:.0f}); every rank raises")
         if not self.enabled:
             optimizer.step()
             return True
-        self._flag[0] = _has_nonfinite(optimizer.params)
-        self._comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
-        self.found_inf = bool(self._flag[0])
+        self.found_inf = bool(flag[0])
         if self.found_inf:
             return False
         inv = 1.0 / self._scale
@@ -177,6 +205,13 @@ class GradScaler:
         """Restore :meth:`state_dict`."""
         self._scale = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
+
+
+def _group_of(comm: MPI.Intracomm) -> Group:
+    """A group over ``comm`` (collective: it sets up the agreement check's board)."""
+    ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                      MPI.COMM_WORLD.Get_group())
+    return Group(comm, "grad-scaler", ranks, owns_comm=False)
 
 
 def _has_nonfinite(params: list[Parameter]) -> bool:

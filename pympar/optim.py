@@ -264,8 +264,9 @@ class _Buckets:
     def __init__(self, params: list[Parameter], bucket_bytes: int) -> None:
         self.refs = [weakref.ref(p) for p in params]
         self.shapes = [p.shape for p in params]
-        # Each bucket: (flat buffer, [(param index, offset, size), ...]).
-        self.buckets: list[tuple[Any, list[tuple[int, int, int]], str]] = []
+        # Each bucket: (flat buffer, [(param index, offset, size), ...], its labels when
+        # summing and when averaging: ``average`` changes the result, so it is compared too).
+        self.buckets: list[tuple[Any, list[tuple[int, int, int]], tuple[str, str]]] = []
         by_key: "OrderedDict[tuple, list[int]]" = OrderedDict()
         for i, p in enumerate(params):
             by_key.setdefault(_key(p.data), []).append(i)
@@ -288,8 +289,8 @@ class _Buckets:
             layout.append((i, offset, params[i].size))
             offset += params[i].size
         flat = xp.empty(offset, dtype=dtype)
-        self.buckets.append((flat, layout, flat_label("allreduce_gradients",
-                                                      [params[i] for i in members])))
+        name = flat_label("allreduce_gradients", [params[i] for i in members])
+        self.buckets.append((flat, layout, (f"{name} sum", f"{name} average")))
 
     def matches(self, params: list[Parameter]) -> bool:
         return len(params) == len(self.refs) and all(
@@ -340,8 +341,9 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
     so that every rank sends identically shaped buckets even when a parameter went unused
     on some rank. Frozen parameters (``requires_grad=False``) are left out entirely.
     Each bucket's all-reduce runs under a label with a checksum of its members' layout
-    (:func:`flat_label`): ranks passing other parameters, or another order, raise
-    :class:`~pympar.debug.CollectiveMismatchError` instead of mixing gradients.
+    (:func:`flat_label`) and ``average``: ranks passing other parameters, or another order,
+    or another ``average``, raise :class:`~pympar.debug.CollectiveMismatchError` instead of
+    mixing gradients.
     """
     if group is None or group.size == 1:
         return
@@ -349,9 +351,11 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     params = [p for p in as_parameter_list(module_or_params) if p.requires_grad]
     state = _buckets_for(params, bucket_bytes)
-    for flat, layout, name in state.buckets:
+    for flat, layout, names in state.buckets:
         _pack(flat, [params[i] for i, _, _ in layout])
-        with label(name):  # ranks whose buckets hold other parameters raise here
+        # Ranks whose buckets hold other parameters, or that average where others sum,
+        # raise here.
+        with label(names[bool(average)]):
             reduced = group.all_reduce(flat, op="sum", out=flat)
         if reduced is not flat:
             flat[...] = reduced

@@ -30,7 +30,7 @@ from ._optim_state import ShardedStateMixin
 from .backend import accumulation_dtype, array_module
 from .modules.core import Module, as_parameter_list
 from .modules.parameter import Parameter
-from .collectives import label
+from .collectives import agree, label
 from .optim import AdamW, Optimizer, flat_label
 from .partition import Split, block_slice
 
@@ -252,11 +252,28 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
             Factor applied to the averaged gradients (in float32 for half-precision
             parameters) before the update, e.g. ``1 / loss_scale``.
         """
+        grad_scale = float(grad_scale)
+        self._agree_on_update(grad_scale)
         for b, bucket in enumerate(self._buckets):
-            self._reduce_scatter(b, bucket, float(grad_scale))
+            self._reduce_scatter(b, bucket, grad_scale)
         self.optimizer.step()
         for bucket in self._buckets:
             self._all_gather(bucket)
+
+    def _agree_on_update(self, grad_scale: float) -> None:
+        """One agreement check per step on what the update uses besides the gradients.
+
+        Each rank updates its own share: a learning rate (or betas, eps, weight decay,
+        gradient scale) that differs on one rank would silently give its rows another
+        update, which no collective's shape shows. A check rather than a label: under a
+        schedule the values change every step, and every label ever used is kept.
+        """
+        opt = self.optimizer
+        names = ("grad_scale", *opt.hyperparameter_names)
+        values = (grad_scale, *(getattr(opt, name) for name in opt.hyperparameter_names))
+        shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, values))
+        agree(self.group, ("ZeroRedundancyOptimizer.step", type(opt).__name__, values),
+              f"ZeroRedundancyOptimizer.step({type(opt).__name__}: {shown})")
 
     def _reduce_scatter(self, b: int, bucket: _Bucket, grad_scale: float) -> None:
         d, me = self.group.size, self.group.rank

@@ -123,6 +123,34 @@ def signature(tensors: list[Tensor]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
+def call_key(shown: str) -> int:
+    """A 56-bit hash of a call's arguments in words (``shown``), for :func:`same_call`."""
+    return int.from_bytes(hashlib.blake2b(shown.encode(), digest_size=7).digest(), "little")
+
+
+def same_call(comm: MPI.Intracomm, what: str, shown: str, keys: np.ndarray) -> None:
+    """Raise one ``CheckpointError`` on every rank when the ranks' calls differ.
+
+    ``keys`` holds every rank's :func:`call_key` (already all-gathered); when one differs
+    from rank 0's, rank 0 and the first such rank send their ``shown`` (as bytes: nothing
+    is pickled), and every rank raises naming both.
+    """
+    differ = np.flatnonzero(keys != keys[0])
+    if not differ.size:
+        return
+    other = int(differ[0])
+    words = []
+    for root in (0, other):
+        message = np.zeros(_MESSAGE_BYTES // 2, dtype=np.uint8)
+        if comm.Get_rank() == root:
+            raw = shown.encode("utf-8", "replace")[:message.size]
+            message[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        comm.Bcast(message, root=root)
+        words.append(bytes(message).rstrip(b"\0").decode("utf-8", "replace"))
+    raise CheckpointError(f"{what}: the ranks pass different arguments: rank 0 {words[0]}; "
+                          f"rank {other} {words[1]} (every rank must pass the same)")
+
+
 def block_key(t: Tensor) -> int:
     boxes = [tuple((s.start, s.stop) for s in g) for g, _ in t.placement.pieces()]
     return int.from_bytes(hashlib.blake2b(repr(boxes).encode(), digest_size=7).digest(), "little")

@@ -22,8 +22,8 @@ from mpi4py import MPI
 
 from ..partition import block_slice
 from . import exchange
-from ._shared import (agree, attempt, default_comm, file_name, open_fd, optimizer_names, shares,
-                      signature, tensors_of)
+from ._shared import (agree, attempt, call_key, default_comm, file_name, open_fd,
+                      optimizer_names, same_call, shares, signature, tensors_of)
 from .files import Buffer, adler_total, checksum_range, read_box, write_box
 from .format import (FORMAT, MANIFEST, VERSION, CheckpointError, check_header, logical_name,
                      npy_header, parse_manifest)
@@ -71,8 +71,9 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     Raises
     ------
     CheckpointError
-        On every rank, with the same message, when any rank fails; ``path`` is then not
-        created (a temporary directory may remain; it is never loaded).
+        On every rank, with the same message, when any rank fails, or when the ranks pass
+        different ``path``, ``step`` or ``keep`` (named); ``path`` is then not created (a
+        temporary directory may remain; it is never loaded).
     """
     comm = default_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -92,10 +93,14 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
         return tensors_of(model, optimizer)
 
     tensors, meta = attempt(comm, prepare)
-    mine = np.array([signature(tensors)], dtype=np.int64)
-    signatures = np.empty(size, dtype=np.int64)
-    comm.Allgather(mine, signatures)
-    agree(comm, None if (signatures == signatures[0]).all() else
+    # One exchange compares the call (a rank saving elsewhere, or another step, would
+    # leave a checkpoint of some ranks only, or say what no rank meant) and the tensors.
+    shown = f"passes path={path!r}, step={step!r}, keep={keep!r}"
+    mine = np.array([call_key(shown), signature(tensors)], dtype=np.int64)
+    keys = np.empty((size, 2), dtype=np.int64)
+    comm.Allgather(mine, keys)
+    same_call(comm, "checkpoint.save", shown, keys[:, 0])
+    agree(comm, None if (keys[:, 1] == keys[0, 1]).all() else
           "the ranks disagree on the model's tensors (names, full shapes or dtypes)")
     blocks = attempt(comm, shares, comm, tensors)
 
@@ -318,12 +323,19 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     CheckpointError
         On every rank, naming the tensor: a missing, truncated, corrupted (checksum) or
         untrusted file, a tensor missing or fitting no parameter, an unknown format version,
-        the state of another optimizer type.
+        the state of another optimizer type; ranks passing different paths (named), or an
+        optimizer on some ranks only.
         Nothing has been changed when it is raised before the data are read.
     """
     comm = default_comm(comm)
     rank = comm.Get_rank()
     directory = os.path.abspath(os.fspath(path))
+    # Rank 0 reads the manifest for all: ranks passing another path would read other
+    # files under it (a wrong "corrupted"), so the call is compared first.
+    shown = f"passes path={directory!r}, optimizer={type(optimizer).__name__}"
+    keys = np.empty(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([call_key(shown)], dtype=np.int64), keys)
+    same_call(comm, "checkpoint.load", shown, keys)
     length = np.zeros(1, dtype=np.int64)
     raw: list[bytes] = [b""]
 

@@ -15,10 +15,12 @@ padding ``key_lengths``.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import numpy
 
+from .. import collectives
 from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
@@ -192,9 +194,14 @@ class ParallelAttention(Module):
         ``key_lengths`` (``[B]`` integers, optional): keys at positions ``>= key_lengths[b]``
         are padding.
         """
-        qkv = self.qkv.forward(x)
+        try:
+            qkv = self.qkv.forward(x)
+        except (TypeError, ValueError) as error:
+            # The others go on to the output projection's sum (or the lengths' check).
+            collectives.refuse(self.qkv.group, "ParallelAttention.forward", error)
+            raise
         seq, batch = qkv.shape[0], qkv.shape[1]
-        lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq)
+        lens = self._key_lengths(key_lengths, batch, seq)
         pos = numpy.arange(seq)
         mask = key_mask(array_module(x), pos, pos, self.causal, lens)
         qkv = qkv.reshape(seq, batch, 3, self.local_heads, self.head_dim)
@@ -202,10 +209,37 @@ class ParallelAttention(Module):
         self.save_for_backward(cache)
         return self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
 
+    def _key_lengths(self, key_lengths: Any, batch: int, seq: int) -> Any:
+        """Checked padding lengths, the same on every rank of the group.
+
+        The mask is local work that no collective sees, so lengths that differ between
+        ranks would mix heads masked two ways: one agreement check on their checksum
+        makes every rank raise instead. A rank refusing its lengths makes the others
+        raise too (they go on to that check, or to the output projection's sum).
+        """
+        group = self.qkv.group
+        try:
+            lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq)
+        except ValueError as error:
+            collectives.refuse(group, "ParallelAttention.forward", error)
+            raise
+        if lens is not None:
+            crc = zlib.crc32(lens.tobytes())
+            collectives.agree(group, ("ParallelAttention.key_lengths", batch, crc),
+                              f"ParallelAttention.forward(key_lengths of checksum {crc:08x})")
+        return lens
+
     def backward(self, dy: Any) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
         (cache,) = self.saved_tensors()
-        dout = self.proj.backward(dy)
+        try:
+            dout = self.proj.backward(dy)
+        except (TypeError, ValueError) as error:
+            # Without sequence parallelism the projection's backward communicates nothing:
+            # the others' next collective is the QKV input gradient's sum, if any.
+            if not self.proj.use_sequence_parallel and self.input_grad:
+                collectives.refuse(self.qkv.group, "ParallelAttention.backward", error)
+            raise
         if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):
             return None  # nothing below the output projection needs a gradient
         seq, batch = dout.shape[0], dout.shape[1]

@@ -31,7 +31,7 @@ import numpy
 from mpi4py import MPI
 
 from .. import mappings
-from ..backend import array_module
+from ..backend import array_module, is_cupy_array
 from ..group import Group
 from ..manager import resolve_group
 from ..partition import balanced_sizes
@@ -171,16 +171,20 @@ class ContextAttention(Module):
         refused on every rank (the others would otherwise wait in the ring or all-to-all).
         """
         name, p = type(self).__name__, self.group.size
-        fits = x.ndim == 3 and x.shape[2] == self.hidden
+        dtype = self.qkv.dtype
+        array = isinstance(x, numpy.ndarray) or is_cupy_array(x)
+        # The dtype too: the projection would refuse it on this rank alone.
+        fits = array and x.ndim == 3 and x.shape[2] == self.hidden and x.dtype == dtype
         lens = None if key_lengths is None else numpy.asarray(
             key_lengths.get() if hasattr(key_lengths, "get") else key_lengths)
-        mine = (x.shape[0] if x.ndim else 0, fits, None if lens is None else
+        mine = (x.shape[0] if array and x.ndim else 0, fits, None if lens is None else
                 (lens.dtype.str, lens.shape, lens.tolist()))
         everyone = self.group.comm.allgather(mine)  # a few bytes: block lengths, key lengths
         if not all(fit for _, fit, _ in everyone):
             bad = [c for c, (_, fit, _) in enumerate(everyone) if not fit]
+            shown = (f"shape {tuple(x.shape)} {x.dtype}" if array else type(x).__name__)
             raise ValueError(f"{name}: the input of context ranks {bad} is not [n, B, "
-                             f"{self.hidden}] (this rank's: shape {tuple(x.shape)})")
+                             f"{self.hidden}] {dtype} (this rank's: {shown})")
         sizes = tuple(n for n, _, _ in everyone)
         seq_len = sum(sizes)
         if sizes != balanced_sizes(seq_len, p):

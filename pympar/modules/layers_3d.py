@@ -39,7 +39,7 @@ from typing import Any, Callable, Union
 
 import numpy
 
-from .. import manager
+from .. import collectives, manager
 from ..backend import array_module
 from ..group import Group
 from ..initializer_3d import ParallelMode
@@ -382,9 +382,14 @@ class LayerNorm3D(Module):
     @_labelled
     def forward(self, x: Any) -> Any:
         """Normalize each row of the input block ``x`` (same layout out)."""
-        self.layout.check(x, repr(self))
-        check_array(self, x, self.weight.data.shape[0], self.dtype, what="local input block",
-                    min_ndim=2)
+        try:
+            self.layout.check(x, repr(self))
+            check_array(self, x, self.weight.data.shape[0], self.dtype,
+                        what="local input block", min_ndim=2)
+        except (TypeError, ValueError) as error:
+            # The row sums over the output group are the others' only collective here.
+            collectives.refuse(self.layout.output, "LayerNorm3D.forward", error)
+            raise
         y, xhat, rstd = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps,
                                            self.hidden, self._row_sums)
         self.save_for_backward(xhat, rstd)

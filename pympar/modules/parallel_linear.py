@@ -22,7 +22,7 @@ from typing import Any, Union
 
 import numpy
 
-from .. import mappings
+from .. import collectives, mappings
 from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
@@ -120,8 +120,28 @@ class _TensorParallelLinear(Module):
                                             seed=seed, xp=xp, layer=type(self).__name__),
                                   placement=placement)
 
-    def _check_grad(self, dy: Any, expected: tuple) -> None:
-        check_array(self, dy, None, self.dtype, what="output gradient", shape=tuple(expected))
+    def _check(self, x: Any, last_dim: int | None, calls_next: bool, direction: str, *,
+               what: str = "input", shape: tuple | None = None) -> None:
+        """:func:`~pympar.modules.core.check_array`; a refusal reaches every rank when the
+        others are about to make a collective on the group (``calls_next``).
+
+        The other ranks of the group would otherwise wait in that collective for ever:
+        :func:`pympar.collectives.refuse` makes them raise too. Where no collective
+        comes next, the others go on, and this rank raises alone.
+        """
+        try:
+            check_array(self, x, last_dim, self.dtype, what=what, shape=shape)
+        except (TypeError, ValueError) as error:
+            if calls_next:
+                # The collective's size as far as this rank can tell (its own input's).
+                nbytes = getattr(x, "nbytes", 0) * self.group.size
+                collectives.refuse(self.group, f"{type(self).__name__}.{direction}", error,
+                                   nbytes if isinstance(nbytes, int) else 0)
+            raise
+
+    def _check_grad(self, dy: Any, expected: tuple, calls_next: bool) -> None:
+        self._check(dy, None, calls_next, "backward", what="output gradient",
+                    shape=tuple(expected))
 
 
 class ColumnParallelLinear(_TensorParallelLinear):
@@ -201,7 +221,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
             return self._forward(x)
 
     def _forward(self, x: Any) -> Any:
-        check_array(self, x, self.in_features, self.dtype)
+        # Gathering (the sequence, or the output) is the collective the others make next.
+        self._check(x, self.in_features, self.use_sequence_parallel or self.gather_output,
+                    "forward")
         if self.use_sequence_parallel:
             total = mappings.gather_from_sequence(x, group=self.group)
         else:
@@ -236,7 +258,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
     def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
-        self._check_grad(dy, (*total_shape[:-1], width))
+        # Only the input gradient's sum communicates (the gathered output's adjoint
+        # keeps this rank's block).
+        self._check_grad(dy, (*total_shape[:-1], width), self.input_grad)
         if self.gather_output:
             dy = mappings.gather_from_hidden.backward(dy, group=self.group)
             if dbias is not None:
@@ -315,7 +339,8 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def _forward(self, x: Any) -> Any:
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
-        check_array(self, x, width, self.dtype)
+        # The sum of the partial products always follows.
+        self._check(x, width, True, "forward")
         if not self.input_is_parallel:
             x = mappings.scatter_to_hidden(x, group=self.group)
         partial, x2d = self._local_affine(x)
@@ -347,7 +372,7 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, x_shape, y_shape = self.saved_tensors()
-        self._check_grad(dy, y_shape)
+        self._check_grad(dy, y_shape, self._backward_communicates())
         if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
                 dbias = _rows(dy).sum(axis=0)
@@ -371,3 +396,12 @@ class RowParallelLinear(_TensorParallelLinear):
         if dx is None or self.input_is_parallel:
             return dx
         return mappings.scatter_to_hidden.backward(dx, group=self.group, global_size=self.in_features)
+
+    def _backward_communicates(self) -> bool:
+        """Whether backward makes a collective on the group (as this rank's flags tell):
+        with sequence parallelism, the bias gradient's sum or the output gradient's
+        gather; without, the input gradient's gather (the reduction's adjoint is local)."""
+        bias = self.bias is not None and self.bias.requires_grad
+        if self.use_sequence_parallel:
+            return bias or self.input_grad or self.weight.requires_grad
+        return self.input_grad and not self.input_is_parallel
