@@ -253,8 +253,15 @@ def _checks_every_call(x: Any = None, ranks: int = 1) -> bool:
     :data:`CHECK_BYTES` is raised; then only calls whose global array (``ranks`` blocks
     like ``x``, as far as this rank can tell) reaches it, and all under a timeout or
     debug mode."""
-    return (CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
-            or getattr(x, "nbytes", 0) * ranks >= CHECK_BYTES)
+    if CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None:
+        return True
+    nbytes = getattr(x, "nbytes", None)
+    if nbytes is None:  # not an array (this rank is refusing it): as NumPy would hold it
+        try:
+            nbytes = np.asarray(x).nbytes
+        except (TypeError, ValueError):
+            nbytes = 0
+    return nbytes * ranks >= CHECK_BYTES
 
 
 def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:

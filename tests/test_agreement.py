@@ -347,3 +347,18 @@ def test_an_out_that_misfits_on_one_rank_raises_everywhere(group):
     raises_everywhere(ValueError, "overlaps the input", group.all_gather, whole[:2], 0, whole)
     assert_equal(group.all_gather(x, 0, np.empty((2 * p, 4))), np.ones((2 * p, 4)),
                  "in step afterwards")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_raised_check_threshold_still_catches_one_rank_mistakes_above_it(group, monkeypatch):
+    """With PYMPAR_CHECK_BYTES raised, calls above it are checked, refusals included."""
+    monkeypatch.setattr(collectives, "CHECK_BYTES", 1 << 20)
+    odd = group.rank == 1
+    x = np.ones(1 << 18)  # 2 MiB
+    raises_everywhere(CollectiveMismatchError, "op must be", group.all_reduce, x,
+                      "prod" if odd else "sum")
+    raises_everywhere(CollectiveMismatchError, "not list", group.all_reduce,
+                      x.tolist() if odd else x)
+    # The same mistake everywhere, below the threshold: nobody joins, each raises its own.
+    raises_everywhere(ValueError, "op must be", group.all_reduce, np.ones(4), "prod")
+    assert_close(group.all_reduce(x), x * group.size, what="in step afterwards")
