@@ -23,8 +23,9 @@ from . import backend
 MAX_BUFFERS = 16
 MAX_BUFFER_BYTES = 2**31  # per group; one larger message still gets its buffer
 MAX_PLANS = 512
-#: Scratch arrays of twice this many bytes or more start on such a boundary (see _aligned).
 HUGE_PAGE = 2 << 20
+#: Scratch arrays of this many bytes or more start on a HUGE_PAGE boundary (see _aligned).
+ALIGNED_FROM = 8 << 20
 
 
 class Blocks:
@@ -119,7 +120,7 @@ def scratch(group: Any, slot: str, shape: tuple[int, ...], dtype: np.dtype, like
         while buffers and (len(buffers) >= MAX_BUFFERS or
                            sum(b.nbytes for b in buffers.values()) + nbytes > MAX_BUFFER_BYTES):
             del buffers[next(iter(buffers))]
-        if numpy and nbytes >= HUGE_PAGE * 2:
+        if numpy and nbytes >= ALIGNED_FROM:
             buffer = buffers[key] = _aligned(shape, dtype, nbytes)
         else:
             xp = np if numpy else backend.array_module(like)
@@ -132,9 +133,11 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray
 
     Linux backs large NumPy allocations with transparent huge pages only on whole,
     aligned 2 MiB pages; where a buffer starts inside one decides how much of it gets
-    them. On the 2-core test VM a 16 MiB Reduce_scatter_block read its input 10-16% faster
-    from an aligned buffer than from a fresh ``numpy.empty`` in two runs of three (equal in
-    the third).
+    them. On the 2-core test VM (``bench_mappings.py``, same-job A/B, several runs), the
+    rows through scratch of 8 MiB or more ran 5-20% faster aligned (16 MiB packs of a
+    hidden-axis block, the 8 MiB receive buffers of 4 MiB gathers); rows through 4 MiB
+    scratch scattered from 0.77x to 1.24x raw from run to run, aligned or not, so
+    :data:`ALIGNED_FROM` leaves them as NumPy allocates them.
     """
     raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE

@@ -264,15 +264,15 @@ def test_reduce_scatter(xp, group, axis):
 
 @pytest.mark.mpi(min_size=1)
 def test_hidden_axis_blocks_through_large_scratch(group):
-    """Scratch buffers of 4 MiB and more (allocated apart, page-aligned) carry the right data."""
+    """Scratch buffers of 8 MiB and more (allocated apart, page-aligned) carry the right data."""
     p, r = group.size, group.rank
     rng = np.random.default_rng(7)
-    full = [random(rng, (256, 4096), np.dtype(np.float32)) for _ in range(p)]  # 4 MiB each
+    full = [random(rng, (256, 8192), np.dtype(np.float32)) for _ in range(p)]  # 8 MiB each
     expected = np.array_split(np.sum(full, axis=0, dtype=np.float64), p, axis=-1)[r]
     got = group.reduce_scatter(full[r], axis=-1)
     assert_close(got, expected, rtol=1e-5, atol=1e-5, what="reduce_scatter axis -1")
-    blocks = [np.ascontiguousarray(a[:, :2048]) for a in full]
-    assert_equal(group.all_gather(blocks[r], axis=-1, sizes=(2048,) * p),
+    blocks = [np.ascontiguousarray(a[:, :4096]) for a in full]
+    assert_equal(group.all_gather(blocks[r], axis=-1, sizes=(4096,) * p),
                  np.concatenate(blocks, axis=-1), "all_gather axis -1")
 
 
