@@ -134,16 +134,20 @@ def post(group: Any, plan: Plan, name: str | None) -> int:
     return group._board.publish(sig)
 
 
-def settle(group: Any, plan: Plan, token: int, name: str | None, x: Any) -> None:
-    """Finish the check started by :func:`post`; raise on every rank when ranks differ."""
-    timeout = debug.get_timeout()
+def settle(group: Any, plan: Plan, token: int, name: str | None, x: Any,
+           timeout: float | None = None) -> None:
+    """Finish the check started by :func:`post`; raise on every rank when ranks differ.
+
+    ``timeout``: seconds to wait for the other ranks (``PYMPAR_TIMEOUT``, which the caller
+    passes when it is on), else for ever.
+    """
     if not group._board.wait(token, group, plan.shown, timeout):
         mismatch(group, plan.key, name, plan.shown, x)
 
 
 def check(group: Any, plan: Plan, name: str | None, x: Any) -> None:
     """The whole agreement check at once (see :func:`post`)."""
-    settle(group, plan, post(group, plan, name), name, x)
+    settle(group, plan, post(group, plan, name), name, x, debug.get_timeout())
 
 
 _LABELS: dict[str, int] = {}

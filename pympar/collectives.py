@@ -385,7 +385,8 @@ def _move(group: pympar.group.Group, plan: Plan, x: Any, dest: Any, out: Any,
             recv = dest
         wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
         if check is not None:  # never start the data call before the check has passed
-            _agreement.settle(group, plan, check, name, x)
+            _agreement.settle(group, plan, check, name, x,
+                              debug.get_timeout() if _hooked else None)
         if plan.chunk is None:
             _mpi(group, method, _args(plan, wsend, wrecv), plan.shown)
         else:  # MPI-3 and a count above INT_MAX: a few calls on consecutive slices
