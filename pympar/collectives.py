@@ -22,19 +22,12 @@ Notes
   agreement check, which carries every rank's extent; ``sizes=`` (every rank's extent,
   in group-rank order) spares nothing more than that.
 * Agreement, always on: before its data call every call checks that all ranks pass the
-  same operation, dtype, extents (those not gathered), axis, sizes, root, op and label
-  (the mapping's, inside any :func:`label` block). Every collective uses the same check
-  (:mod:`pympar._agreement`, through :mod:`pympar._board`: shared memory when the
-  group's ranks share a node, else one 24-byte Iallgather), started before packing and
-  finished just before the data call, so ranks making different calls always meet in it
-  and raise the same
-  :class:`~pympar.debug.CollectiveMismatchError`, never wait in two different
-  exchanges. A rank that refuses its own arguments (not an array, an unknown op, an
-  ``out`` that does not fit or overlaps the input, ...) joins the check with a signature
-  no call has, so the others raise too. A ``PYMPAR_CHECK_BYTES`` threshold leaves out
-  calls moving less, except under a timeout or debug mode and gathers of unknown
-  extents; with it, a one-rank mistake in a small call can hang. ``PYMPAR_DEBUG=1`` adds
-  a full comparison that names what each rank passed.
+  same operation, dtype, extents (those not gathered), axis, sizes, root, op and label.
+  Every collective makes the same check (:mod:`pympar._agreement`), so ranks making
+  different calls meet in it and raise the same
+  :class:`~pympar.debug.CollectiveMismatchError`; a rank refusing its own arguments joins
+  it with a signature no call has (:func:`refuse`), so the others raise too.
+  ``PYMPAR_CHECK_BYTES`` leaves out smaller calls (:data:`CHECK_BYTES`).
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
   units of a contiguous derived datatype (gathers, all-to-all) or in chunks
   (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
@@ -218,13 +211,11 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
 def refuse(group: pympar.group.Group, what: str, error: Exception, nbytes: int = 0) -> None:
     """Make every rank raise when this rank refuses its own arguments before a collective.
 
-    Call it just before raising ``error``, where the other ranks of ``group`` are about
-    to make one of these collectives (say, a layer's forward whose input this rank
-    refuses): this rank joins the agreement check they make with a signature no call has,
-    so they raise :class:`~pympar.debug.CollectiveMismatchError` naming ``error`` instead
-    of waiting for this rank. It returns, for this rank to raise ``error``, when every
-    rank refused; otherwise it raises that mismatch error here too. Do not call it where
-    the others make no collective next: this rank would wait for them.
+    Call it just before raising ``error``, and only where the other ranks of ``group``
+    make one of these collectives next (else this rank waits for them): it joins their
+    agreement check with a signature no call has, so every rank raises
+    :class:`~pympar.debug.CollectiveMismatchError` naming ``error``. It returns, for this
+    rank to raise ``error`` itself, when every rank refused.
 
     Parameters
     ----------
