@@ -91,7 +91,7 @@ class Plan:
 
     def __init__(self, **fields: Any) -> None:
         self.send = self.recv = self.chunk = None
-        # label -> the agreement check's 16 bytes (Iallreduce) or 32-bit signature (shared memory)
+        # label -> the agreement check's 32-bit signature of this call under that label
         self.checks: dict[str | None, bytes | int] = {}
         self.tail: tuple = ()
         for name, value in fields.items():

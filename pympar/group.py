@@ -74,8 +74,9 @@ class Group:
         # nothing after the first call.
         self._plans: dict[tuple, Any] = {}
         self._buffers: dict[tuple, Any] = {}
-        # The agreement check's shared-memory board when every member shares a node
-        # (collective: every rank creates its groups in the same order); None: Iallreduce.
+        # The agreement check's board: shared memory when every member shares a node,
+        # else messages (collective: every rank creates its groups in the same order);
+        # None for a group of one rank.
         self._board = _board.create(comm)
 
     def __repr__(self) -> str:
@@ -127,8 +128,8 @@ class Group:
             Where to write the result; must not overlap ``x``.
         sizes : sequence of int, optional
             Every rank's extent along ``axis``, indexed by rank in this group, when the
-            caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it the
-            ranks agree on them (and on the rest of the call) with one small Allgather.
+            caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it every
+            rank's extent travels with the call's agreement check (no extra message).
 
         Returns
         -------
@@ -180,7 +181,7 @@ class Group:
             Where to write the result; must not overlap ``x``.
         sizes : sequence of int, optional
             Every rank's extent along ``concat_axis``, indexed by group rank; otherwise
-            one small Allgather agrees on them.
+            they travel with the call's agreement check.
 
         Returns
         -------

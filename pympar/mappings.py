@@ -15,7 +15,8 @@ meant. Each backward is the adjoint of its forward in these terms:
 partial arrays summed over ranks.
 
 Mappings that gather take ``global_size=``, the global extent of the gathered axis (not a
-rank count): it spares the ranks one small exchange to learn each other's block sizes.
+rank count): the ranks then know each other's block sizes without learning them in the
+call's agreement check, and a wrong value is caught on the rank it does not fit.
 The former name ``size=`` still works for one release, with a ``DeprecationWarning``.
 "Rank" here is always the rank in the mapping's group.
 
@@ -214,8 +215,8 @@ class Mapping:
             calls avoids allocation).
         global_size : int, optional
             For a step that gathers: the global extent of the gathered axis (the sum of
-            every rank's block, not a rank count), which spares one small exchange of the
-            ranks' block sizes. ``size=`` is its deprecated former name.
+            every rank's block, not a rank count); without it the ranks' block sizes
+            travel with the agreement check. ``size=`` is its deprecated former name.
         **options
             Mapping-specific keywords (``seq_axis``, ``head_axis``).
 
