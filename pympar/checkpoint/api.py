@@ -95,7 +95,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     tensors, meta = attempt(comm, prepare)
     # One exchange compares the call (a rank saving elsewhere, or another step, would
     # leave a checkpoint of some ranks only, or say what no rank meant) and the tensors.
-    shown = f"passes path={path!r}, step={step!r}, keep={keep!r}"
+    shown = f"passes path={os.path.abspath(os.fspath(path))!r}, step={step!r}, keep={keep!r}"
     mine = np.array([call_key(shown), signature(tensors)], dtype=np.int64)
     keys = np.empty((size, 2), dtype=np.int64)
     comm.Allgather(mine, keys)
