@@ -254,7 +254,10 @@ class Mapping:
         group = manager.resolve_group(group, self.name, self._default_axis)
         if collectives._hooked and debug.is_enabled() and group.size > 1:
             # Every rank must call the same mapping, even one whose step communicates
-            # nothing (copy_to_all's forward): compared here, in debug mode.
+            # nothing (copy_to_all's forward): compared here, in debug mode. The check
+            # every call makes comes first, so that a rank refusing its own arguments
+            # (a layer's input, say) meets the others in it.
+            collectives.agree(group, ("mapping", name), name)
             debug.check_mapping(group, name, x, dict(options, global_size=global_size))
         if (global_size is not None and step.gathered is None) or (
                 options and not step.options.issuperset(options)):

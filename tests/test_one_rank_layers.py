@@ -154,3 +154,17 @@ def test_layernorm3d_forward_refused_on_one_rank(cube):
         agree(time.monotonic() - start < 10, "the refusal took more than 10 s to reach every rank")
     finally:
         debug.set_timeout(None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_refusal_reaches_every_rank_in_debug_mode(tp_world):
+    """Debug mode compares each mapping in full, after the check every call makes first:
+    a layer refusing its input on one rank meets the others there."""
+    x, _ = _data()
+    row = RowParallelLinear(8, 4, dtype=np.float64, seed=2)
+    bad = x.astype(np.float32) if WORLD.rank == 0 else x
+    with debug.debug_mode(enabled=True, timeout=8.0):
+        _everywhere_within(r"RowParallelLinear\.forward, refused by this rank", row.forward,
+                           bad)
+        ref = Linear(8, 4, dtype=np.float64, seed=2)
+        assert_close(row.forward(x), ref.forward(x), what="y after the refusal")
