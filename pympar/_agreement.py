@@ -17,7 +17,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import _board, debug
-from ._plans import Plan, remember
+from ._plans import Plan
 
 __all__ = ["label", "within", "agree", "post", "settle", "check", "mismatch", "refuse",
            "extents"]
@@ -109,10 +109,11 @@ def agree(group: Any, key: tuple, shown: str) -> None:
     if group.comm == MPI.COMM_NULL:
         raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
                            f"manager.destroy_parallel); use the groups of the current state")
-    plan = group._plans.get(("agree", key))
-    if plan is None:
-        plan = remember(group, ("agree", key), Plan(
-            key=("agree", key), shown=shown, sig=zlib.crc32(repr(key).encode()) & 0x7FFFFFFF))
+    # A plan of its own each time, not cached: keys that change every call (a learning
+    # rate, a batch's key lengths) would fill the group's plan cache and evict the
+    # collectives' plans.
+    plan = Plan(key=("agree", key), shown=shown,
+                sig=zlib.crc32(repr(key).encode()) & 0x7FFFFFFF)
     name = within(None)
     check(group, plan, name, None)
     if debug.is_enabled():  # as for every collective: the full comparison after the check

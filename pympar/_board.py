@@ -15,9 +15,11 @@ in the same exchange and see the difference, instead of waiting in two different
   ``k`` sit at ``3 * ((k & 1) * size + r)``: the signature, then the two extents, which
   only gathers write (a reader needs them only when the signatures agree, that is when
   the writer made the same gather). Every word carries ``k``, so a reader waits for each
-  one itself and no store order is assumed; an aligned 8-byte store or load is one
-  instruction on x86-64 and aarch64 (no torn words), and the data moves through MPI
-  afterwards, so the check needs no fences. Two parities suffice: a rank starts check
+  one itself; an aligned 8-byte store or load is one instruction on x86-64 and aarch64
+  (no torn words), and the data moves through MPI afterwards, so the check needs no
+  fences. One corner assumes stores become visible in order (x86-64 does; aarch64 need
+  not): an extent word last written exactly ``2**24`` checks earlier carries the same
+  ``k`` as the one being written. Two parities suffice: a rank starts check
   ``k + 2`` only after every rank wrote its signature for ``k + 1``, that is after every
   rank finished reading the words of ``k``.
 * :class:`MessageBoard` (ranks on several nodes): one 24-byte ``Iallgather`` per check.

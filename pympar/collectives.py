@@ -208,7 +208,8 @@ def _mpi(group: pympar.group.Group, method: str, args: tuple, what: str) -> None
             f"PYMPAR_DEBUG=1 shows every rank's call") from err
 
 
-def refuse(group: pympar.group.Group, what: str, error: Exception, nbytes: int = 0) -> None:
+def refuse(group: pympar.group.Group, what: str, error: Exception,
+           always_checked: bool = False) -> None:
     """Make every rank raise when this rank refuses its own arguments before a collective.
 
     Call it just before raising ``error``, and only where the other ranks of ``group``
@@ -225,12 +226,14 @@ def refuse(group: pympar.group.Group, what: str, error: Exception, nbytes: int =
         The call refused, in words (``"RowParallelLinear.forward"``).
     error : Exception
         What this rank is about to raise.
-    nbytes : int
-        The size of the collective's global array, as far as this rank can tell: with a
-        raised ``PYMPAR_CHECK_BYTES``, calls below it are not checked, so this rank does
-        not join them.
+    always_checked : bool
+        Whether that collective is checked whatever ``PYMPAR_CHECK_BYTES`` says: a gather
+        of unknown extents (no ``sizes=`` or ``global_size=``) or :func:`agree`. Other
+        calls are checked by default; with the threshold raised (and no timeout or debug
+        mode) this rank cannot tell whether the others check theirs, so it does not join,
+        and a mistake on one rank only can then leave the others waiting.
     """
-    _refuse(group, what, error, None, _checks_every_call() or nbytes >= CHECK_BYTES)
+    _refuse(group, what, error, None, always_checked or _checks_every_call())
 
 
 def _refuse(group: pympar.group.Group, what: str, error: Exception, label: str | None,
@@ -239,20 +242,9 @@ def _refuse(group: pympar.group.Group, what: str, error: Exception, label: str |
     _agreement.refuse(group, what, error, _agreement.within(label), others_check)
 
 
-def _checks_every_call(x: Any = None, ranks: int = 1) -> bool:
-    """Whether the other ranks check this call: every call is checked unless
-    :data:`CHECK_BYTES` is raised; then only calls whose global array (``ranks`` blocks
-    like ``x``, as far as this rank can tell) reaches it, and all under a timeout or
-    debug mode."""
-    if CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None:
-        return True
-    nbytes = getattr(x, "nbytes", None)
-    if nbytes is None:  # not an array (this rank is refusing it): as NumPy would hold it
-        try:
-            nbytes = np.asarray(x).nbytes
-        except (TypeError, ValueError):
-            nbytes = 0
-    return nbytes * ranks >= CHECK_BYTES
+def _checks_every_call() -> bool:
+    """Whether every call is checked, whatever its size (see :data:`CHECK_BYTES`)."""
+    return CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
 
 
 def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
@@ -424,7 +416,7 @@ def all_reduce(group: pympar.group.Group, x: Any, op: str = "sum", out: Any = No
             plan.shown = f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _refuse(group, "all_reduce", err, label, _checks_every_call(x))
+        _refuse(group, "all_reduce", err, label, _checks_every_call())
         raise
     return _run(group, plan, x, out, label)
 
@@ -448,7 +440,7 @@ def broadcast(group: pympar.group.Group, x: Any, root: int = 0, out: Any = None,
             plan.shown = f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})"
             _finish(group, plan, key, x.shape, (x.size,))
     except (TypeError, ValueError) as err:
-        _refuse(group, "broadcast", err, label, _checks_every_call(x))
+        _refuse(group, "broadcast", err, label, _checks_every_call())
         raise
     return _run(group, plan, x, out, label)
 
@@ -516,7 +508,7 @@ def all_gather(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = None
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
             _refuse(group, "all_gather", err, label,
-                    unknown or _checks_every_call(x, group.size))
+                    unknown or _checks_every_call())
         raise
     return _run(group, plan, x, out, label, checked)
 
@@ -549,7 +541,7 @@ def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = 
                                                                group.rank),)
             _finish(group, plan, key, x.shape, ())
     except (TypeError, ValueError) as err:
-        _refuse(group, "reduce_scatter", err, label, _checks_every_call(x))
+        _refuse(group, "reduce_scatter", err, label, _checks_every_call())
         raise
     if plan.method is None:
         mine = all_reduce(group, x, op, None, label)[plan.tail]
@@ -618,6 +610,6 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
                     sb.counts + sb.displs + rb.counts + rb.displs)
     except (TypeError, ValueError) as err:
         if not checked:  # after the exchange, every rank raises alike
-            _refuse(group, "all_to_all", err, label, unknown or _checks_every_call(x))
+            _refuse(group, "all_to_all", err, label, unknown or _checks_every_call())
         raise
     return _run(group, plan, x, out, label, checked)

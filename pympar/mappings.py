@@ -86,11 +86,19 @@ def _block_range(n: int, parts: int, rank: int) -> tuple[int, int]:
 # the caller knows them, and name labels the collective. Positional-only, so no option can
 # collide. Each carries what Mapping._apply checks before it runs: ``options`` (the keywords
 # it takes), ``gathered`` (options -> the axis whose global extent global_size= gives, or
-# None: it takes no global_size=) and ``sends`` (whether it makes a collective).
+# None: it takes no global_size=) and ``sends`` (options -> whether it makes a collective).
+
+
+def _always(options: dict[str, Any]) -> bool:
+    return True
+
+
+def _never(options: dict[str, Any]) -> bool:
+    return False
 
 
 def _step(step: Step, options: tuple[str, ...] = (), gathered: Callable | None = None,
-          sends: bool = True) -> Step:
+          sends: Callable = _always) -> Step:
     step.options, step.gathered, step.sends = frozenset(options), gathered, sends
     return step
 
@@ -129,7 +137,7 @@ def _keep_block(axis: int) -> Step:
             return block if block.flags.c_contiguous else block.copy()
         out[...] = block
         return out
-    return _step(keep_block, sends=False)
+    return _step(keep_block, sends=_never)
 
 
 def _gather(axis: int) -> Step:
@@ -152,7 +160,8 @@ def _reduce_scatter_or_keep(axis: int) -> Step:
         # False: the forward's output was replicated (counted once), so its
         # adjoint is the plain split, not a sum over ranks.
         return (reduce if tensor_parallel_output_grad else keep)(group, x, out, sizes, name)
-    return _step(reduce_scatter, ("tensor_parallel_output_grad",))
+    return _step(reduce_scatter, ("tensor_parallel_output_grad",),
+                 sends=lambda options: bool(options.get("tensor_parallel_output_grad", True)))
 
 
 def _all_to_all(split_heads: bool) -> Step:
@@ -167,7 +176,7 @@ def _all_to_all(split_heads: bool) -> Step:
     return _step(all_to_all, ("seq_axis", "head_axis"), gathered)
 
 
-_step(_identity, sends=False)
+_step(_identity, sends=_never)
 _step(_all_reduce)
 
 
@@ -279,8 +288,10 @@ def _refuse_options(step: Step, name: str, group: Group, x: Any, global_size: An
         unknown = sorted(set(options) - step.options)
         error = TypeError(f"{name} takes no keyword {', '.join(unknown)} (it takes "
                           f"{', '.join(sorted(step.options)) or 'none'})")
-    if group.size > 1 and step.sends:
-        collectives.refuse(group, name, error, getattr(x, "nbytes", 0))
+    if group.size > 1 and step.sends(options):
+        # A gather told no global_size= learns the extents in its check: always made.
+        collectives.refuse(group, name, error,
+                           always_checked=step.gathered is not None and global_size is None)
     raise error
 
 

@@ -350,15 +350,16 @@ def test_an_out_that_misfits_on_one_rank_raises_everywhere(group):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_raised_check_threshold_still_catches_one_rank_mistakes_above_it(group, monkeypatch):
-    """With PYMPAR_CHECK_BYTES raised, calls above it are checked, refusals included."""
-    monkeypatch.setattr(collectives, "CHECK_BYTES", 1 << 20)
+def test_a_raised_check_threshold_still_checks_gathers_of_unknown_extents(group, monkeypatch):
+    """With PYMPAR_CHECK_BYTES raised, a gather of unknown extents is still checked (its
+    extents travel in the check), so a refusal before one reaches every rank."""
+    monkeypatch.setattr(collectives, "CHECK_BYTES", 1 << 30)
     odd = group.rank == 1
-    x = np.ones(1 << 18)  # 2 MiB
-    raises_everywhere(CollectiveMismatchError, "op must be", group.all_reduce, x,
-                      "prod" if odd else "sum")
-    raises_everywhere(CollectiveMismatchError, "not list", group.all_reduce,
+    x = np.ones((2, 3))
+    raises_everywhere(CollectiveMismatchError, "not list", group.all_gather,
                       x.tolist() if odd else x)
-    # The same mistake everywhere, below the threshold: nobody joins, each raises its own.
-    raises_everywhere(ValueError, "op must be", group.all_reduce, np.ones(4), "prod")
-    assert_close(group.all_reduce(x), x * group.size, what="in step afterwards")
+    raises_everywhere(CollectiveMismatchError, "takes no keyword", mappings.gather_from_sequence,
+                      x, group, **({"bogus": 1} if odd else {}))
+    # The same mistake everywhere: nobody waits, each raises its own error.
+    raises_everywhere(ValueError, "op must be", group.all_reduce, x, "prod")
+    assert_equal(group.all_gather(x), np.ones((2 * group.size, 3)), "in step afterwards")

@@ -198,7 +198,8 @@ class ParallelAttention(Module):
             qkv = self.qkv.forward(x)
         except (TypeError, ValueError) as error:
             # The others go on to the output projection's sum (or the lengths' check).
-            collectives.refuse(self.qkv.group, "ParallelAttention.forward", error)
+            collectives.refuse(self.qkv.group, "ParallelAttention.forward", error,
+                               always_checked=key_lengths is not None)
             raise
         seq, batch = qkv.shape[0], qkv.shape[1]
         lens = self._key_lengths(key_lengths, batch, seq)
@@ -221,7 +222,8 @@ class ParallelAttention(Module):
         try:
             lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq)
         except ValueError as error:
-            collectives.refuse(group, "ParallelAttention.forward", error)
+            collectives.refuse(group, "ParallelAttention.forward", error,
+                               always_checked=key_lengths is not None)
             raise
         if lens is not None:
             crc = zlib.crc32(lens.tobytes())

@@ -60,9 +60,9 @@ def _labelled(method: Callable) -> Callable:
     name = method.__name__
 
     @functools.wraps(method)
-    def run(self: Any, *args: Any) -> Any:
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         with label(self._labels[name]):
-            return method(self, *args)
+            return method(self, *args, **kwargs)
     return run
 
 

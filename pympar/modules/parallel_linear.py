@@ -121,9 +121,11 @@ class _TensorParallelLinear(Module):
                                   placement=placement)
 
     def _check(self, x: Any, last_dim: int | None, calls_next: bool, direction: str, *,
-               what: str = "input", shape: tuple | None = None) -> None:
+               what: str = "input", shape: tuple | None = None,
+               always_checked: bool = False) -> None:
         """:func:`~pympar.modules.core.check_array`; a refusal reaches every rank when the
-        others are about to make a collective on the group (``calls_next``).
+        others are about to make a collective on the group (``calls_next``;
+        ``always_checked``: see :func:`pympar.collectives.refuse`).
 
         The other ranks of the group would otherwise wait in that collective for ever:
         :func:`pympar.collectives.refuse` makes them raise too. Where no collective
@@ -133,10 +135,8 @@ class _TensorParallelLinear(Module):
             check_array(self, x, last_dim, self.dtype, what=what, shape=shape)
         except (TypeError, ValueError) as error:
             if calls_next:
-                # The collective's size as far as this rank can tell (its own input's).
-                nbytes = getattr(x, "nbytes", 0) * self.group.size
                 collectives.refuse(self.group, f"{type(self).__name__}.{direction}", error,
-                                   nbytes if isinstance(nbytes, int) else 0)
+                                   always_checked)
             raise
 
     def _check_grad(self, dy: Any, expected: tuple, calls_next: bool) -> None:
@@ -223,7 +223,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
     def _forward(self, x: Any) -> Any:
         # Gathering (the sequence, or the output) is the collective the others make next.
         self._check(x, self.in_features, self.use_sequence_parallel or self.gather_output,
-                    "forward")
+                    "forward", always_checked=self.use_sequence_parallel)
         if self.use_sequence_parallel:
             total = mappings.gather_from_sequence(x, group=self.group)
         else:
