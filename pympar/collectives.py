@@ -552,6 +552,15 @@ def reduce_scatter(group: pympar.group.Group, x: Any, axis: int = 0, out: Any = 
     return _run(group, plan, x, out, label)
 
 
+def _split_concat(x: Any, split_axis: Any, concat_axis: Any) -> tuple[int, int]:
+    """The all-to-all's two axes, normalized; refused when out of range or alike."""
+    split = _axis(split_axis, x.ndim, "all_to_all")
+    cat = _axis(concat_axis, x.ndim, "all_to_all")
+    if split == cat:
+        raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both are {split}")
+    return split, cat
+
+
 def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: int,
                out: Any = None, sizes: Sequence[int] | None = None,
                label: str | None = None) -> Any:
@@ -562,11 +571,7 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
         if type(sizes) is not tuple:
             if not x.ndim:
                 raise ValueError("all_to_all needs an array of at least one dimension")
-            split = _axis(split_axis, x.ndim, "all_to_all")
-            cat = _axis(concat_axis, x.ndim, "all_to_all")
-            if split == cat:
-                raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both "
-                                 f"are {split}")
+            split, cat = _split_concat(x, split_axis, concat_axis)
             masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]
             claim = 0
             if unknown:
@@ -581,11 +586,7 @@ def all_to_all(group: pympar.group.Group, x: Any, split_axis: int, concat_axis: 
         key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
         plan = group._plans.get(key)
         if plan is None:
-            split = _axis(split_axis, x.ndim, "all_to_all")
-            cat = _axis(concat_axis, x.ndim, "all_to_all")
-            if split == cat:
-                raise ValueError(f"all_to_all: split_axis and concat_axis must differ, both "
-                                 f"are {split}")
+            split, cat = _split_concat(x, split_axis, concat_axis)
             sizes, _ = _gathered_sizes(group, x, cat, sizes, "all_to_all", (), None)
             split_sizes = balanced_sizes(x.shape[split], group.size)
             shape = list(x.shape)
