@@ -119,13 +119,13 @@ def make(name: str, placement: Placement, array: Any) -> Tensor:
 
 
 def signature(tensors: list[Tensor]) -> int:
-    text = repr([(t.name, t.placement.shape, t.stored.str) for t in tensors])
+    return call_key(repr([(t.name, t.placement.shape, t.stored.str) for t in tensors]))
+
+
+def call_key(text: str) -> int:
+    """A 56-bit hash of ``text`` (it fits an int64 exchanged by MPI): of a call's arguments in
+    words for :func:`same_call`, of the tensors for :func:`signature`, of a block's boxes."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-
-
-def call_key(shown: str) -> int:
-    """A 56-bit hash of a call's arguments in words (``shown``), for :func:`same_call`."""
-    return int.from_bytes(hashlib.blake2b(shown.encode(), digest_size=7).digest(), "little")
 
 
 def same_call(comm: MPI.Intracomm, what: str, shown: str, keys: np.ndarray) -> None:
@@ -153,7 +153,7 @@ def same_call(comm: MPI.Intracomm, what: str, shown: str, keys: np.ndarray) -> N
 
 def block_key(t: Tensor) -> int:
     boxes = [tuple((s.start, s.stop) for s in g) for g, _ in t.placement.pieces()]
-    return int.from_bytes(hashlib.blake2b(repr(boxes).encode(), digest_size=7).digest(), "little")
+    return call_key(repr(boxes))
 
 
 def shares(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[list[tuple]]:
