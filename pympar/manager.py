@@ -83,8 +83,17 @@ _state: ParallelState | None = None
 
 
 def _check_arguments(tensor_parallel_size: int, context_parallel_size: int, order: str,
-                     tensor_parallel_mode: str, world: int) -> dict[str, int]:
+                     tensor_parallel_mode: str, data_parallel_size: int | None,
+                     world: int) -> dict[str, int]:
     sizes = check_sizes({"tp": tensor_parallel_size, "cp": context_parallel_size})
+    if data_parallel_size is not None:
+        expected = sizes["tp"] * sizes["cp"] * check_sizes({"dp": data_parallel_size})["dp"]
+        if world != expected:
+            raise ValueError(f"tensor_parallel_size {sizes['tp']} x context_parallel_size "
+                             f"{sizes['cp']} x data_parallel_size {data_parallel_size} needs "
+                             f"{expected} ranks, and this job has {world}: run it on "
+                             f"{expected} ranks (mpiexec -n {expected}), or leave "
+                             "data_parallel_size out to use what the job has")
     if tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
         raise ValueError(f"tensor_parallel_mode must be one of {TENSOR_PARALLEL_MODES}, "
                          f"not {tensor_parallel_mode!r}")
@@ -101,13 +110,16 @@ def _check_arguments(tensor_parallel_size: int, context_parallel_size: int, orde
 
 def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: int = 1,
                         order: str = "tp-cp-dp", comm: MPI.Intracomm | None = None,
-                        tensor_parallel_mode: str = "1d") -> ParallelState:
+                        tensor_parallel_mode: str = "1d",
+                        data_parallel_size: int | None = None) -> ParallelState:
     """Create the DP, CP and TP groups and make them the current parallel state.
 
     Collective over ``comm``: every rank must call it with the same arguments (and
     the same settings: ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT``, ``PYMPAR_CHECK_BYTES``).
     The data-parallel size is ``world_size // (tensor_parallel_size *
-    context_parallel_size)``.
+    context_parallel_size)``; pass ``data_parallel_size`` to have it checked, so a script
+    written for ``tp * cp * dp`` ranks refuses another rank count instead of silently
+    running another data-parallel size.
 
     Parameters
     ----------
@@ -123,6 +135,9 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     tensor_parallel_mode : {"1d", "3d"}
         ``"3d"`` also creates the five 3D groups inside each TP group; the TP
         size must then be a cube.
+    data_parallel_size : int, optional
+        The data-parallel size the program expects; ``None`` (the default) takes what the
+        world size leaves.
 
     Returns
     -------
@@ -131,7 +146,8 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     Raises
     ------
     ValueError
-        For sizes < 1, a world size not divisible by ``tp*cp``, a bad order,
+        For sizes < 1, a world size not divisible by ``tp*cp`` or other than
+        ``tp*cp*dp`` with ``data_parallel_size`` given, a bad order,
         a non-cube TP size in 3D mode, or ranks passing different arguments.
     RuntimeError
         When a parallel state already exists (call :func:`destroy_parallel`).
@@ -146,7 +162,8 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     global _state
     comm = MPI.COMM_WORLD if comm is None else comm
     faults.start(comm)  # timed; settings that must agree; a failing rank then ends the job
-    arguments = (tensor_parallel_size, context_parallel_size, order, tensor_parallel_mode)
+    arguments = (tensor_parallel_size, context_parallel_size, order, tensor_parallel_mode,
+                 data_parallel_size)
     # Agree first, so a rank with different arguments cannot leave the others
     # waiting inside a Split that it never joins.
     seen = comm.allgather((repr(arguments), _state is not None))

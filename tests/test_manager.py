@@ -184,3 +184,19 @@ def test_barrier_of_a_freed_group_says_so():
     for group in (state.tensor, state.data):
         raises_everywhere(RuntimeError, rf"barrier: group '{group.name}' has been freed "
                           r"\(Group.free or manager.destroy_parallel\)", group.barrier)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_data_parallel_size_is_checked_when_given():
+    world = WORLD.size
+    tp = 2 if world % 2 == 0 else 1
+    state = manager.initialize_parallel(tensor_parallel_size=tp, data_parallel_size=world // tp)
+    agree(state.data.size == world // tp, f"dp size {state.data.size}")
+    manager.destroy_parallel()
+    # A script written for TP=tp x DP=2*world/tp refuses this job, naming the rank count.
+    raises_everywhere(ValueError, rf"needs {2 * world} ranks, and this job has {world}: "
+                      rf"run it on {2 * world} ranks", manager.initialize_parallel,
+                      tensor_parallel_size=tp, data_parallel_size=2 * world // tp)
+    raises_everywhere(ValueError, "must be an integer >= 1", manager.initialize_parallel,
+                      data_parallel_size=0)
+    agree(not manager.is_initialized(), "a refused call leaves no state")

@@ -7,8 +7,8 @@ from layer_helpers import rng_array
 from mpi_helpers import WORLD, agree, assert_equal, raises_everywhere
 from pympar import manager
 from pympar.memory import activation_bytes
-from pympar.modules import (GELU, ColumnParallelLinear, Dropout, Linear, RowParallelLinear,
-                            Sequential)
+from pympar.modules import (GELU, ColumnParallelLinear, Dropout, Linear, Module,
+                            RowParallelLinear, Sequential)
 from pympar.modules.recompute import Recompute
 
 FEATURES, HIDDEN, ROWS = 6, 14, 9
@@ -57,7 +57,8 @@ def test_recompute_gradients_bitwise_with_dropout_tp2():
     agree(sorted(named) == sorted(wnamed), f"{sorted(named)} vs {sorted(wnamed)}")
     for name, p in named.items():
         assert_equal(wnamed[name].grad, p.grad, what=f"grad of {name}")
-    # Recomputed blocks keep their input only: two (ROWS, FEATURES) float64 arrays.
+    # Recomputed blocks keep their input only: two (ROWS, FEATURES) float64 arrays (they
+    # draw nothing from NumPy's global random state, so they keep none of it).
     agree(kept_bytes == [2 * ROWS * FEATURES * 8] * 2, f"kept {kept_bytes}")
     agree(plain_bytes[0] > 2 * kept_bytes[0], f"plain caches {plain_bytes} vs {kept_bytes}")
     # The masks were drawn once per training forward, not twice.
@@ -77,3 +78,35 @@ def test_recompute_serial_matches_and_checks_input():
     assert_equal(lin.weight.grad, ref.weight.grad, what="weight gradient")
     raises_everywhere(RuntimeError, "before forward", wrapped.backward, dy)
     raises_everywhere(TypeError, "expected a Module", Recompute, lambda t: t)
+
+
+class GlobalNoise(Module):
+    """y = x * (1 + 0.1 n), n drawn from NumPy's global random state on every forward."""
+
+    def forward(self, x):
+        noise = 1 + 0.1 * np.random.standard_normal(x.shape)
+        self.save_for_backward(noise)
+        return x * noise
+
+    def backward(self, dy):
+        (noise,) = self.saved_tensors()
+        return dy * noise
+
+
+@pytest.mark.mpi(min_size=1)
+def test_recompute_replays_numpy_global_random_state():
+    x = rng_array(3, (5, FEATURES), np.float64)
+    dy = rng_array(4, (5, 3), np.float64)
+    results = []
+    for wrap in (False, True):
+        lin = Linear(FEATURES, 3, dtype=np.float64, seed=5)
+        block = Sequential(GlobalNoise(), lin)
+        model = Recompute(block) if wrap else block
+        np.random.seed(1234)
+        y = model(x)
+        dx = model.backward(dy)
+        after = np.random.standard_normal(3)  # the stream goes on where forward left it
+        results.append((y, dx, lin.weight.grad, after))
+    for what, plain, replayed in zip(("output", "input gradient", "weight gradient",
+                                      "draws after backward"), *results):
+        assert_equal(replayed, plain, what=what)
