@@ -260,8 +260,12 @@ def test_readme_example_runs_and_matches_serial():
     finally:
         manager.destroy_parallel()
     loss = float(np.mean((y - x) ** 2))
-    agree(printed.getvalue().endswith(f" loss {loss:.6f}\n") and "tp rank" in printed.getvalue(),
-          f"the README example printed {printed.getvalue()!r}")
+    mine = f"dp rank {WORLD.rank // 2}, tp rank {WORLD.rank % 2}: loss {loss:.6f}"
+    lines = WORLD.gather(mine)
+    # Rank 0 prints every rank's line in rank order, as one block; the others print nothing.
+    expected = "\n".join(lines) + "\n" if WORLD.rank == 0 else ""
+    agree(printed.getvalue() == expected,
+          f"the README example printed {printed.getvalue()!r}, expected {expected!r}")
     # Its first layer takes data: no input gradient, but its weight gradients are there.
     agree(scope["fc1"].input_grad is False and first_grads == [True, True],
           f"README fc1: input_grad {scope['fc1'].input_grad}, grads {first_grads}")
@@ -270,3 +274,29 @@ def test_readme_example_runs_and_matches_serial():
     fc1, fc2 = Linear(64, 256, seed=1), Linear(256, 64, seed=2)
     expected = fc2(GELU()(fc1(x)))
     agree(np.allclose(y, expected, rtol=1e-5, atol=1e-5), "README MLP differs from serial")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_quickstart_groups_snippet_prints_one_block_from_rank_0():
+    if WORLD.size % 4:
+        pytest.skip("the snippet uses TP=2 x CP=2")
+    import re
+    import textwrap
+
+    from pympar import manager
+
+    text = (EXAMPLES.parent / "docs" / "quickstart.rst").read_text()
+    block = re.search(r"\.\. code-block:: python\n\n(   # groups\.py.*?)\n\n(?=\S)", text, re.S)
+    code = textwrap.dedent(block.group(1))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            exec(compile(code, "quickstart.rst", "exec"), {})
+    finally:
+        manager.destroy_parallel()
+    lines = printed.getvalue().splitlines()
+    if WORLD.rank == 0:
+        agree([line.split(":")[0] for line in lines] == [f"world rank {r}" for r in
+                                                           range(WORLD.size)],
+              f"rank 0 printed {lines!r}")
+    else:
+        agree(lines == [], f"rank {WORLD.rank} printed {lines!r}")
