@@ -29,6 +29,9 @@ def _info(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
     try:
+        # Every rank reads the settings, so a bad PYMPAR_CUDA_AWARE raises on all of them
+        # (and the job ends) instead of on rank 0 alone while the others wait.
+        staging = "device buffers to MPI" if backend.cuda_aware() else "host staging"
         row = (comm.Get_rank(), socket.gethostname(), state.mesh.coords,
                [g.name for g in state.all_groups()])
         rows = comm.gather(row, root=0)
@@ -40,19 +43,34 @@ def _info(args: argparse.Namespace) -> int:
             print(f"MPI standard      {'.'.join(map(str, MPI.Get_version()))}, "
                   f"mpi4py {__import__('mpi4py').__version__}")
             library = {None: "unknown", True: "yes", False: "no"}[aware]
-            staging = "device buffers to MPI" if backend.cuda_aware() else "host staging"
             print(f"CUDA-aware MPI    library says {library}; CuPy arrays use {staging} "
                   f"(PYMPAR_CUDA_AWARE={os.environ.get('PYMPAR_CUDA_AWARE', 'auto')})")
             print(f"layout            {state.mesh!r}, mode {state.tensor_parallel_mode}")
             names = ["tensor", "context", "data", "data_context", *[m.value for m in state.groups_3d]]
-            print("rank  host  coords  " + "  ".join(names))
-            for rank, host, coords, groups in rows:
-                coord_text = ",".join(f"{a}={c}" for a, c in coords.items())
-                print(f"{rank:4d}  {host}  {coord_text}  " + "  ".join(groups))
+            print(layout_table(names, rows))
             sys.stdout.flush()
     finally:
         manager.destroy_parallel()
     return 0
+
+
+def layout_table(group_kinds: list[str], rows: list[tuple]) -> str:
+    """The rank -> host -> coordinates -> groups table, each column as wide as its widest cell.
+
+    Parameters
+    ----------
+    group_kinds : list of str
+        The header of each group column.
+    rows : list of tuple
+        ``(world rank, host, coordinates dict, group names)`` per rank.
+    """
+    cells = [["rank", "host", "coords", *group_kinds]]
+    for rank, host, coords, groups in rows:
+        cells.append([str(rank), host, ",".join(f"{a}={c}" for a, c in coords.items()), *groups])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(cell.rjust(w) if i == 0 else cell.ljust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                     for row in cells)
 
 
 def _benchmarks_driver(repo: Path | None = None) -> ModuleType:

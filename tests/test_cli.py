@@ -27,9 +27,23 @@ def test_info_prints_every_rank_with_its_groups(capsys):
         for rank, line in lines.items():
             tp_row = [r for r in group_ranks(sizes, "tp-cp-dp", "tp").tolist() if rank in r][0]
             ok = ok and ("tp-" + "-".join(map(str, tp_row))) in line.split()
+        # The header's words start where their columns' cells start.
+        header = next(line for line in out.splitlines() if line.startswith("rank"))
+        starts = [header.index(" " + word) + 1 for word in header.split()[1:]]
+        for line in lines.values():
+            ok = ok and all(line[i - 1] == " " and line[i] != " " for i in starts)
         agree(ok, out)
     else:
         agree(out == "", f"rank {WORLD.rank} printed {out!r}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_info_bad_cuda_setting_exits_2_on_every_rank(capsys, monkeypatch):
+    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "maybe")
+    status = cli.main(["info"])  # rank 0 alone reading the setting left the others waiting
+    err = capsys.readouterr().err
+    ok = err.count("PYMPAR_CUDA_AWARE must be auto, 0 or 1, not 'maybe'") == (WORLD.rank == 0)
+    agree(status == 2 and ok and not manager.is_initialized(), f"status {status}: {err!r}")
 
 
 @pytest.mark.mpi(min_size=1)
