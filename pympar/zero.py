@@ -100,7 +100,8 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
     Attributes
     ----------
     params : list of Parameter
-        The model parameters stepped (frozen ones left out).
+        The model parameters stepped (those frozen at construction left out; one frozen
+        later, ``requires_grad = False``, is skipped by :meth:`step`, its state kept).
     shares : list of Parameter
         This rank's share of each parameter, with ``placement`` =
         ``param.placement.then(Split(0, d, rank))``. Its ``data`` is a view of the parameter's
@@ -256,6 +257,10 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
         self._agree_on_update(grad_scale)
         for b, bucket in enumerate(self._buckets):
             self._reduce_scatter(b, bucket, grad_scale)
+        # A parameter frozen since construction is skipped, as the plain optimizers skip it:
+        # its share keeps its data and its optimizer state stops moving.
+        for p, share in zip(self.params, self.shares):
+            share.requires_grad = p.requires_grad
         self.optimizer.step()
         for bucket in self._buckets:
             self._all_gather(bucket)
@@ -264,13 +269,16 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
         """One agreement check per step on what the update uses besides the gradients.
 
         Each rank updates its own share: a learning rate (or betas, eps, weight decay,
-        gradient scale) that differs on one rank would silently give its rows another
+        gradient scale, the set of parameters frozen since construction) that differs on one
+        rank would silently give its rows another
         update, which no collective's shape shows. A check rather than a label: under a
         schedule the values change every step, and every label ever used is kept.
         """
         opt = self.optimizer
-        names = ("grad_scale", *opt.hyperparameter_names)
-        values = (grad_scale, *(getattr(opt, name) for name in opt.hyperparameter_names))
+        frozen = tuple(i for i, p in enumerate(self.params) if not p.requires_grad)
+        names = ("grad_scale", *opt.hyperparameter_names, "frozen")
+        values = (grad_scale, *(getattr(opt, name) for name in opt.hyperparameter_names),
+                  frozen)
         shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, values))
         agree(self.group, ("ZeroRedundancyOptimizer.step", type(opt).__name__, values),
               f"ZeroRedundancyOptimizer.step({type(opt).__name__}: {shown})")

@@ -229,6 +229,36 @@ def test_zero_skips_frozen_and_rejects_bad_input():
     raises_everywhere(RuntimeError, "initialize_parallel", ZeroRedundancyOptimizer, [live])
 
 
+@pytest.mark.mpi(min_size=1)
+def test_zero_skips_a_parameter_frozen_after_construction_as_adamw_does(clean_state):
+    dp = layout(1)
+    runs = {}
+    for sharded in (False, True):
+        model = MLP()
+        first = model.params[0]
+        opt = (ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-2, bucket_bytes=1024)
+               if sharded else AdamW(model.params, lr=1e-2))
+        train(sharded, dp, steps=2, model=model, opt=opt)
+        first.requires_grad = False  # frozen after the optimizer was built
+        frozen_at = to_numpy(first.data).copy()
+        train(sharded, dp, steps=3, model=model, opt=opt, start=2)
+        runs[sharded] = (frozen_at, [to_numpy(p.data) for p in model.params])
+    (plain_frozen, plain), (zero_frozen, zero) = runs[False], runs[True]
+    assert_equal(zero[0], zero_frozen, what="ZeRO moved the frozen parameter")
+    assert_equal(plain[0], plain_frozen, what="AdamW moved the frozen parameter")
+    for k in range(1, len(plain)):
+        assert_close(zero[k], plain[k], rtol=1e-12, atol=1e-13, what=f"parameter {k}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_frozen_on_one_rank_only_raises_everywhere(clean_state):
+    dp = layout(1)
+    model = MLP()
+    opt = ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-2, bucket_bytes=1024)
+    model.params[0].requires_grad = WORLD.rank != 0
+    raises_everywhere(Exception, "frozen", train, True, dp, steps=1, model=model, opt=opt)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_default_group_is_data_x_context_when_context_parallel():
     if WORLD.size % 2:
