@@ -31,6 +31,7 @@ __all__ = [
     "wire_dtype",
     "accumulation_dtype",
     "bfloat16",
+    "is_bfloat16",
     "to_wire",
     "from_wire",
 ]
@@ -44,8 +45,23 @@ def _bfloat16_dtype() -> np.dtype | None:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-#: The bfloat16 dtype of ``ml_dtypes`` when it is installed, else ``None``.
-bfloat16: np.dtype | None = _bfloat16_dtype()
+def __getattr__(name: str) -> Any:
+    # ``backend.bfloat16``: the bfloat16 dtype of ``ml_dtypes`` when it is installed, else
+    # None. Imported on first use, not with pympar: ml_dtypes takes about half of
+    # ``import pympar``, and a program without bfloat16 never needs it.
+    if name == "bfloat16":
+        globals()["bfloat16"] = dtype = _bfloat16_dtype()
+        return dtype
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Return whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes.
+
+    An array can only hold bfloat16 once ml_dtypes is loaded, so this never loads it.
+    """
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    return ml_dtypes is not None and dtype == ml_dtypes.bfloat16
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -162,7 +178,7 @@ def wire_dtype(dtype: Any) -> np.dtype:
     same width: moving data never interprets it.
     """
     dtype = np.dtype(dtype)
-    if bfloat16 is not None and dtype == bfloat16:
+    if is_bfloat16(dtype):
         return np.dtype(np.uint16)
     return dtype
 
@@ -174,7 +190,7 @@ def accumulation_dtype(dtype: Any) -> np.dtype:
     rounding error of adding many 11- or 8-bit mantissas.
     """
     dtype = np.dtype(dtype)
-    if dtype == np.float16 or (bfloat16 is not None and dtype == bfloat16):
+    if dtype == np.float16 or is_bfloat16(dtype):
         return np.dtype(np.float32)
     return dtype
 

@@ -138,7 +138,7 @@ def _axis(axis: Any, ndim: int, what: str) -> int:
 def _movable(x: Any, what: str) -> np.dtype:
     """``x``'s dtype, after refusing one MPI cannot move."""
     dtype = x.dtype
-    if dtype.kind not in _MOVABLE and dtype != backend.bfloat16:
+    if dtype.kind not in _MOVABLE and not backend.is_bfloat16(dtype):
         raise TypeError(f"{what}: pympar collectives move bool, integer, float and complex "
                         f"arrays, not dtype {dtype}")
     return dtype
