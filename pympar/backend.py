@@ -32,6 +32,11 @@ __all__ = [
     "accumulation_dtype",
     "bfloat16",
     "is_bfloat16",
+    "device_has_bfloat16",
+    "check_dtype",
+    "staging_buffer",
+    "staging_bytes",
+    "release_staging",
     "to_wire",
     "from_wire",
 ]
@@ -62,6 +67,35 @@ def is_bfloat16(dtype: Any) -> bool:
     """
     ml_dtypes = sys.modules.get("ml_dtypes")
     return ml_dtypes is not None and dtype == ml_dtypes.bfloat16
+
+
+def device_has_bfloat16(xp: ModuleType) -> bool:
+    """Return whether array module ``xp`` holds bfloat16 arrays.
+
+    NumPy does with ml_dtypes installed; CuPy from version 14 on (through ml_dtypes).
+    """
+    if getattr(sys.modules[__name__], "bfloat16") is None:
+        return False
+    if xp is np:
+        return True
+    return int(str(getattr(xp, "__version__", "0")).split(".")[0]) >= 14
+
+
+def check_dtype(xp: ModuleType, dtype: Any, what: str) -> None:
+    """Refuse, naming ``what``, a dtype that array module ``xp`` cannot hold.
+
+    Raises
+    ------
+    TypeError
+        For bfloat16 without ml_dtypes, or on CuPy before version 14.
+    """
+    if not (isinstance(dtype, str) and dtype == "bfloat16") and not is_bfloat16(dtype):
+        return
+    if getattr(sys.modules[__name__], "bfloat16") is None:
+        raise TypeError(f"{what}: bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+    if not device_has_bfloat16(xp):
+        raise TypeError(f"{what}: bfloat16 on CuPy needs CuPy 14 or later (this is CuPy "
+                        f"{getattr(xp, '__version__', '?')}); use float16 or float32")
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -225,18 +259,44 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
         raise TypeError(f"pympar cannot send arrays of dtype {np.dtype(dtype)}: {err}") from None
 
 
-_PINNED: dict[int, np.ndarray] = {}
+_PINNED: dict[Any, np.ndarray] = {}
 
 
-def _pinned(slot: int, like: Any) -> np.ndarray:
-    """A pinned host array shaped like ``like`` from a per-slot, grow-only pool."""
+def staging_buffer(slot: Any, like: Any) -> np.ndarray:
+    """A pinned host array shaped like device array ``like``, from the pool of ``slot``.
+
+    Each slot (any hashable: the collectives use 0 and 1, ring attention its own) keeps
+    one pinned block, grown at least twofold when a larger message comes, so that message
+    sizes creeping up cost a few allocations. The contents are undefined, and the next
+    call for the same slot reuses them: copy out before then. :func:`release_staging`
+    hands every block back to the driver.
+    """
     pool = _PINNED.get(slot)
     if pool is None or pool.nbytes < like.nbytes:
         import cupyx  # only reached with CuPy arrays
-        # Grow at least 2x: a few allocations even when message sizes creep up.
+
         size = max(like.nbytes, 2 * pool.nbytes if pool is not None else 1)
+        del pool
+        _PINNED.pop(slot, None)
         _PINNED[slot] = pool = cupyx.empty_pinned((size,), np.uint8)
     return pool[:like.nbytes].view(like.dtype).reshape(like.shape)
+
+
+def staging_bytes() -> int:
+    """Bytes of pinned host memory that the staging pools hold now."""
+    return sum(block.nbytes for block in _PINNED.values())
+
+
+def release_staging() -> None:
+    """Hand the pinned staging blocks back to the driver (next use allocates anew).
+
+    :func:`pympar.manager.destroy_parallel` calls it. CuPy's pinned memory pool would
+    otherwise keep the freed blocks for reuse, so its cached blocks are freed too.
+    """
+    _PINNED.clear()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
@@ -257,11 +317,11 @@ def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
     synchronize(recv)  # kernels writing either buffer ran on this stream
     if cuda_aware():
         return send, recv
-    host_recv, host_send = _pinned(1, recv), send
+    host_recv, host_send = staging_buffer(1, recv), send
     if send is None or send is MPI.IN_PLACE:
         recv.get(out=host_recv)
     else:
-        host_send = _pinned(0, send)
+        host_send = staging_buffer(0, send)
         send.get(out=host_send)
     synchronize(recv)
     return host_send, host_recv

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gpu_stand_in import cupy_in_mode
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import backend, collectives
 from pympar.debug import CollectiveMismatchError
@@ -31,24 +32,16 @@ LAYOUTS = ("C", "F", "strided")
 
 
 @pytest.fixture(params=["numpy", "cupy-staged", "cupy-aware"])
-def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The array module under test; CuPy both staged and CUDA-aware (skipped without a GPU)."""
+def xp(request: pytest.FixtureRequest) -> Any:
+    """The array module under test; CuPy both staged and CUDA-aware (gpu_stand_in)."""
     if request.param == "numpy":
         return np
-    if not backend.cupy_available():
-        pytest.skip("CuPy with a CUDA device is not available")
-    aware = request.param == "cupy-aware"
-    if aware and not backend.mpi_library_cuda_support():
-        # Device pointers given to an MPI that cannot read them would crash the job.
-        pytest.skip("the MPI library does not report CUDA support")
-    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "1" if aware else "0")
-    import cupy
-    return cupy
+    return cupy_in_mode(request.param.split("-")[1])
 
 
 def dtypes_for(xp: Any) -> list[np.dtype]:
-    """The dtypes an array module can hold (CuPy has no bfloat16)."""
-    return [d for d in DTYPES if xp is np or d != BF16]
+    """The dtypes an array module can hold (CuPy 14 has bfloat16, through ml_dtypes)."""
+    return [d for d in DTYPES if xp is np or d != BF16 or backend.device_has_bfloat16(xp)]
 
 
 def random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

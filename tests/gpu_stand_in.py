@@ -1,0 +1,99 @@
+"""Running the CuPy tests without a GPU: the stand-in in ``tests/fakecupy`` (see its docstring).
+
+``PYMPAR_FAKE_CUPY=1`` or ``pytest --fake-cupy`` puts the stand-in first on ``sys.path``, so
+``import cupy`` finds it; ``make test`` does so. Without it the CuPy tests use the real CuPy
+and skip where there is none. Every CuPy test runs staged (``PYMPAR_CUDA_AWARE=0``: device
+buffers must go through host staging) and CUDA-aware (``1``: device buffers to MPI); the
+summary line says how many ran on the stand-in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+import pytest
+
+from pympar import backend
+
+FAKE_CUPY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecupy")
+_AWARE_AT_START = os.environ.get("PYMPAR_CUDA_AWARE")
+_ran: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
+
+
+def activate() -> None:
+    """Make ``import cupy`` find the stand-in (before anything imported a real one)."""
+    if "cupy" in sys.modules and not is_stand_in(sys.modules["cupy"]):
+        raise RuntimeError("the CuPy stand-in was asked for after the real CuPy was imported")
+    if FAKE_CUPY_DIR not in sys.path:
+        sys.path.insert(0, FAKE_CUPY_DIR)
+    backend.cupy_available.cache_clear()
+
+
+def is_stand_in(module: ModuleType | None = None) -> bool:
+    """Whether ``module`` (the loaded ``cupy`` by default) is the stand-in."""
+    module = module if module is not None else sys.modules.get("cupy")
+    return bool(getattr(module, "IS_STAND_IN", False))
+
+
+def cupy_in_mode(mode: str) -> ModuleType:
+    """CuPy with device buffers staged (``"staged"``) or given to MPI (``"aware"``).
+
+    Sets ``PYMPAR_CUDA_AWARE`` for the test (restored after it); skips without CuPy and a
+    device, and the aware mode on a real GPU whose MPI does not report CUDA support (device
+    pointers given to it would crash the job). The stand-in plays a CUDA-aware MPI.
+    """
+    if not backend.cupy_available():
+        pytest.skip("CuPy with a CUDA device is not available (make test uses the stand-in)")
+    import cupy
+
+    if mode == "aware" and not is_stand_in(cupy) and not backend.mpi_library_cuda_support():
+        pytest.skip("needs a real device and a CUDA-aware MPI: the MPI library does not "
+                    "report CUDA support")
+    os.environ["PYMPAR_CUDA_AWARE"] = "1" if mode == "aware" else "0"
+    return cupy
+
+
+def needs_real_device() -> None:
+    """Skip, saying why, a test that only a real GPU can answer."""
+    if is_stand_in() or not backend.cupy_available():
+        pytest.skip("needs a real CUDA device (the CuPy stand-in cannot answer this)")
+
+
+def add_option(parser: pytest.Parser) -> None:
+    """``--fake-cupy`` (called from the conftest's pytest_addoption)."""
+    parser.addoption("--fake-cupy", action="store_true", default=False,
+                     help="run the CuPy tests on the strict CuPy stand-in (tests/fakecupy)")
+
+
+def configure(config: pytest.Config) -> None:
+    """Activate the stand-in when asked (called from the conftest's pytest_configure)."""
+    if config.getoption("fake_cupy") or os.environ.get("PYMPAR_FAKE_CUPY", "") == "1":
+        activate()
+        os.environ["PYMPAR_FAKE_CUPY"] = "1"  # the tests' own MPI jobs use it too
+    config.pluginmanager.register(sys.modules[__name__], "gpu_stand_in")
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if _AWARE_AT_START is None:
+        os.environ.pop("PYMPAR_CUDA_AWARE", None)
+    else:
+        os.environ["PYMPAR_CUDA_AWARE"] = _AWARE_AT_START
+    cupy = sys.modules.get("cupy")
+    if is_stand_in(cupy):
+        cupy.synchronize()  # one test's pending kernels are not the next one's
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "cupy" not in report.nodeid or not is_stand_in():
+        return
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        _ran[report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if is_stand_in():
+        terminalreporter.write_line(
+            f"CuPy stand-in: {_ran['passed']} CuPy tests passed on it, {_ran['failed']} "
+            f"failed, {_ran['skipped']} skipped (each says why)")
