@@ -144,6 +144,7 @@ class ndarray:
                 "CuPy stand-in: device memory handed to MPI while a kernel that reads or "
                 "writes it may still run (synchronize the stream first)")
         a = self._a
+        cuda.mpi_exports += 1
         return {"shape": a.shape, "typestr": a.dtype.str, "descr": a.dtype.descr,
                 "strides": None if a.flags.c_contiguous else a.strides,
                 "data": (a.ctypes.data if a.size else 0, False), "version": 3,

@@ -12,6 +12,9 @@ from typing import Any
 #: Root NumPy arrays (by id) that a kernel touched since the last synchronize.
 _PENDING: dict[int, Any] = {}
 
+#: How many times device memory was handed to MPI (``__cuda_array_interface__`` read).
+mpi_exports = 0
+
 
 def _complete() -> None:
     """Every queued kernel has finished: nothing is pending any more."""
