@@ -42,17 +42,34 @@ def cupy_in_mode(mode: str) -> ModuleType:
 
     Sets ``PYMPAR_CUDA_AWARE`` for the test (restored after it); skips without CuPy and a
     device, and the aware mode on a real GPU whose MPI does not report CUDA support (device
-    pointers given to it would crash the job). The stand-in plays a CUDA-aware MPI.
+    pointers given to it would crash the job) unless ``PYMPAR_TEST_CUPY_MANAGED=1`` emulates
+    one: CuPy arrays are then allocated in managed memory, which a host MPI can move. The
+    stand-in plays a CUDA-aware MPI.
     """
     if not backend.cupy_available():
         pytest.skip("CuPy with a CUDA device is not available (make test uses the stand-in)")
     import cupy
 
-    if mode == "aware" and not is_stand_in(cupy) and not backend.mpi_library_cuda_support():
-        pytest.skip("needs a real device and a CUDA-aware MPI: the MPI library does not "
-                    "report CUDA support")
+    real = not is_stand_in(cupy)
+    if real and os.environ.get("PYMPAR_TEST_CUPY_MANAGED", "") == "1":
+        _use_managed_memory(cupy)
+    elif mode == "aware" and real and not backend.mpi_library_cuda_support():
+        pytest.skip("needs a CUDA-aware MPI: the MPI library does not report CUDA support "
+                    "(PYMPAR_TEST_CUPY_MANAGED=1 emulates one with managed memory)")
     os.environ["PYMPAR_CUDA_AWARE"] = "1" if mode == "aware" else "0"
     return cupy
+
+
+_MANAGED: list = []
+
+
+def _use_managed_memory(cupy: ModuleType) -> None:
+    """Allocate every CuPy array in managed memory, which a host MPI can read and write: the
+    CUDA-aware path emulated with a host MPI. Both modes use it, since buffers cached by
+    one test (a group's scratch) may serve the next in the other mode."""
+    if not _MANAGED:
+        _MANAGED.append(cupy.cuda.MemoryPool(cupy.cuda.malloc_managed))
+        cupy.cuda.set_allocator(_MANAGED[0].malloc)
 
 
 def needs_real_device() -> None:

@@ -94,6 +94,8 @@ def _kernel(func: Any, *args: Any, **kwargs: Any) -> Any:
     args = _unwrap(list(args), touched)
     kwargs = {k: _unwrap(v, touched) for k, v in kwargs.items()}
     result = func(*args, **kwargs)
+    if isinstance(result, (bool, int, float, complex)):
+        result = numpy.asarray(result)  # CuPy's allclose, array_equal ... return 0-d arrays
     for a in touched:
         _touch(a)
     out = _wrap(result)
