@@ -89,5 +89,6 @@ runtime = types.SimpleNamespace(
     deviceSynchronize=_device_synchronize,
     runtimeGetVersion=lambda: 12080,
     getDevice=lambda: 0,
+    getDeviceProperties=lambda device: {"name": b"CuPy stand-in (NumPy memory)"},
     is_hip=False,
 )
