@@ -50,10 +50,13 @@ def _bfloat16_dtype() -> np.dtype | None:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+#: The bfloat16 dtype of ``ml_dtypes`` when it is installed, else ``None``. Bound on first
+#: use (module ``__getattr__``), not with pympar: importing ml_dtypes took about half of
+#: ``import pympar``, and a program without bfloat16 never needs it.
+bfloat16: np.dtype | None
+
+
 def __getattr__(name: str) -> Any:
-    # ``backend.bfloat16``: the bfloat16 dtype of ``ml_dtypes`` when it is installed, else
-    # None. Imported on first use, not with pympar: ml_dtypes takes about half of
-    # ``import pympar``, and a program without bfloat16 never needs it.
     if name == "bfloat16":
         globals()["bfloat16"] = dtype = _bfloat16_dtype()
         return dtype

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpu_stand_in import cupy_in_mode, is_stand_in
-from layer_helpers import block, rng_array
+from layer_helpers import rng_array
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import backend, checkpoint, debug, manager, memory
 from pympar.amp import GradScaler

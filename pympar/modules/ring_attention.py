@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-import numpy
 from mpi4py import MPI
 
 from .. import stats
