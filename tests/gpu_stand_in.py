@@ -14,12 +14,13 @@ import sys
 from types import ModuleType
 
 import pytest
+from mpi4py import MPI
 
 from pympar import backend
 
 FAKE_CUPY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecupy")
 _AWARE_AT_START = os.environ.get("PYMPAR_CUDA_AWARE")
-_ran: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
+_ran: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0, "deselected": 0}
 
 
 def activate() -> None:
@@ -92,6 +93,30 @@ def configure(config: pytest.Config) -> None:
     config.pluginmanager.register(sys.modules[__name__], "gpu_stand_in")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On the stand-in, the CuPy tests run where they add something: on 2 and 4 ranks in
+    both modes; alone in one mode (one rank never calls MPI, so both modes take one path);
+    on 8 ranks only those that need 8 (the 3D cube). ``PYMPAR_CUPY_EVERYWHERE=1`` runs them
+    all everywhere. The deselected are counted in the summary line."""
+    size = MPI.COMM_WORLD.Get_size()
+    if FAKE_CUPY_DIR not in sys.path:
+        return
+    if size in (2, 4) or os.environ.get("PYMPAR_CUPY_EVERYWHERE", "") == "1":
+        return
+    keep, dropped = [], []
+    for item in items:
+        cupy = "cupy" in item.nodeid
+        if cupy and ((size == 1 and "cupy-aware" in item.nodeid)
+                     or (size > 4 and "cube" not in getattr(item, "fixturenames", ()))):
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        _ran["deselected"] = len(dropped)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     if _AWARE_AT_START is None:
         os.environ.pop("PYMPAR_CUDA_AWARE", None)
@@ -111,6 +136,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if is_stand_in():
+        size = MPI.COMM_WORLD.Get_size()
+        left_out = (f"; {_ran['deselected']} left to the 2- and 4-rank runs" if
+                    _ran["deselected"] else "")
         terminalreporter.write_line(
-            f"CuPy stand-in: {_ran['passed']} CuPy tests passed on it, {_ran['failed']} "
-            f"failed, {_ran['skipped']} skipped (each says why)")
+            f"CuPy stand-in: {_ran['passed']} CuPy tests passed on it on {size} rank(s), "
+            f"{_ran['failed']} failed, {_ran['skipped']} skipped (each says why){left_out}")
