@@ -17,6 +17,7 @@
 # sharing the GPU, the GPU benchmark (benchmarks/bench_gpu.py). The last line is
 # "VERDICT: PASS", "VERDICT: FAIL (...)" or "VERDICT: NOT TESTED (...)". Logs and summary.txt
 # go to the output folder. Without a GPU it ends within seconds with NOT TESTED.
+# GPU_CHECK_TESTS="files" narrows the tests, GPU_CHECK_BENCH=0 leaves out the benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -113,9 +114,9 @@ fi
 # ---------------------------------------------------------------- the premises, the tests
 step "probe of CuPy premises" 45 scripts/mpirun.sh 1 "$py" scripts/gpu_probe.py
 grep -E "^premise" "$out/probe_of_CuPy_premises.log" | sed 's/^/  /' | tee -a "$summary"
-tests="tests/test_collectives.py tests/test_mappings.py tests/test_parallel_linear.py
-  tests/test_attention.py tests/test_ring_attention.py tests/test_training.py tests/test_zero.py
-  tests/test_cupy_paths.py"
+tests=${GPU_CHECK_TESTS:-"tests/test_collectives.py tests/test_mappings.py
+  tests/test_parallel_linear.py tests/test_attention.py tests/test_ring_attention.py
+  tests/test_training.py tests/test_zero.py tests/test_cupy_paths.py"}
 # The 2-rank run also compiles CuPy's kernels (cached on disk for the 4-rank run).
 for n in 2 4; do
   # Both modes in one run: every CuPy test is parametrized cupy-staged and cupy-aware.
@@ -141,6 +142,6 @@ fi
 
 say "elapsed $(elapsed)"
 if (( ${#failures[@]} )); then
-  verdict "FAIL (${failures[*]}; logs in $out)"
+  verdict "FAIL ($(printf '%s; ' "${failures[@]}")logs in $out)"
 fi
 verdict "PASS (aware path: $([[ $aware == True ]] && echo real CUDA-aware MPI || echo emulated on managed memory))"
