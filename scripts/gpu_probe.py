@@ -95,6 +95,9 @@ def premises(cupy: Any) -> list[tuple[str, Callable[[], str | None]]]:
          lambda: _raises(TypeError, "", lambda: cupy.zeros(2) + np.ones(2))),
         ("refusal: cupy.ascontiguousarray of a 0-d array is 1-d", contiguous_0d),
         ("refusal: get/set check dtype and shape", get_checks),
+        ("refusal: device0d[...] = device array of shape (1,) raises (strict broadcast)",
+         lambda: _raises(ValueError, "", lambda: cupy.zeros(()).__setitem__(
+             Ellipsis, cupy.ones(1)))),
         ("bfloat16 (ml_dtypes) works from CuPy 14 on", bfloat16),
         ("__cuda_array_interface__ exports the pointer", cai),
         ("cupy.may_share_memory sees overlapping slices", overlap),

@@ -43,6 +43,8 @@ def test_host_arrays_do_not_mix_with_device_arrays(cp):
         x + np.ones(3)
     with pytest.raises(TypeError, match="Unsupported type"):
         cp.maximum(x, np.ones(3))
+    with pytest.raises(ValueError, match="cannot broadcast a value of shape"):
+        cp.zeros(())[...] = cp.ones(1)  # NumPy drops the leading 1; CuPy broadcasts strictly
     x[...] = np.float64(2.0)  # scalars (and 0-d arrays) are fine, as in CuPy
     x[0] = np.array(3.0)
     assert x.get().tolist() == [[3.0] * 3, [2.0] * 3]

@@ -275,7 +275,15 @@ class ndarray:
             raise TypeError("CuPy stand-in: assign a cupy.ndarray or a scalar, not a "
                             f"{type(value).__name__}")
         touched: list = []
-        self._a[_index(key, touched)] = _unwrap(value, touched)
+        index = _index(key, touched)
+        if isinstance(value, ndarray):
+            target = self._a[index].shape if not isinstance(index, numpy.ndarray) else None
+            if target is not None and (value.ndim > len(target) or numpy.broadcast_shapes(
+                    value.shape, target) != target):
+                # NumPy drops leading 1s of the value; CuPy broadcasts strictly.
+                raise ValueError(f"CuPy stand-in: cannot broadcast a value of shape "
+                                 f"{value.shape} into shape {target}")
+        self._a[index] = _unwrap(value, touched)
         for a in touched + [self._a]:
             _touch(a)
 
