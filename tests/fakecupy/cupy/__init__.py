@@ -78,30 +78,40 @@ def _wrap(a: Any) -> Any:
 
 def _unwrap(x: Any, touched: list) -> Any:
     """Device arrays to their NumPy memory (recorded in ``touched``); refuse host arrays."""
-    if isinstance(x, ndarray):
+    kind = type(x)
+    if kind is ndarray:
         touched.append(x._a)
         return x._a
-    if isinstance(x, numpy.ndarray):
+    if kind is numpy.ndarray:
         raise TypeError(f"Unsupported type {type(x)}")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_unwrap(v, touched) for v in x)
+    if kind is list or kind is tuple:
+        return kind([_unwrap(v, touched) for v in x])
     return x
 
 
 def _kernel(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``func`` on the NumPy memory of device arrays: a kernel on the stream."""
     touched: list = []
-    args = _unwrap(list(args), touched)
-    kwargs = {k: _unwrap(v, touched) for k, v in kwargs.items()}
+    args = [_unwrap(a, touched) for a in args]
+    if kwargs:
+        kwargs = {k: _unwrap(v, touched) for k, v in kwargs.items()}
     result = func(*args, **kwargs)
-    if isinstance(result, (bool, int, float, complex)):
-        result = numpy.asarray(result)  # CuPy's allclose, array_equal ... return 0-d arrays
+    kind = type(result)
+    if kind is numpy.ndarray:
+        touched.append(result)
+        out = ndarray.__new__(ndarray)
+        out._a = result
+    else:
+        if kind in (bool, int, float, complex) or isinstance(result, numpy.generic):
+            result = numpy.asarray(result)  # CuPy returns 0-d arrays (sums, allclose ...)
+        out = _wrap(result)
+        for r in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(r, ndarray):
+                touched.append(r._a)
     for a in touched:
-        _touch(a)
-    out = _wrap(result)
-    for r in (out if isinstance(out, (tuple, list)) else (out,)):
-        if isinstance(r, ndarray):
-            _touch(r._a)
+        while type(a.base) is numpy.ndarray:
+            a = a.base
+        _PENDING[id(a)] = a
     return out
 
 
