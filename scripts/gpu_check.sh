@@ -6,8 +6,8 @@
 # It uses the CuPy already installed for $PYTHON (default python3; .venv/bin/python when it
 # imports CuPy), and an MPI from, in order: $MPIEXEC with the mpi4py that $PYTHON imports,
 # or the wheels in .whl/ at the repository root (git-ignored), installed offline into a
-# scratch venv that sees the system's NumPy and CuPy (pip 22.3 or later). Fill .whl/ beforehand, on a machine with network,
-# for the GPU machine's Python (see docs/howto/gpus.rst):
+# scratch venv that sees the system's NumPy and CuPy (pip 22.3 or later). Fill .whl/
+# beforehand, on a machine with network, for the GPU machine's Python (docs/howto/gpus.rst):
 #   pip download --only-binary=:all: --python-version 3.12 -d .whl \
 #       mpi4py mpich pytest pytest-mpi ml_dtypes
 #
@@ -51,21 +51,21 @@ step() {  # step NAME TIMEOUT_S COMMAND...: one line, PASS or FAIL, with the log
 # ---------------------------------------------------------------- a GPU and CuPy (seconds)
 py=${PYTHON:-}
 if [[ -z $py ]]; then
-  if [[ -x .venv/bin/python ]] && timeout 20 .venv/bin/python -c "import cupy" 2>/dev/null; then
+  if [[ -x .venv/bin/python ]] && timeout 4 .venv/bin/python -c "import cupy" 2>/dev/null; then
     py=.venv/bin/python
   else
     py=python3
   fi
 fi
 if ! command -v "$py" > /dev/null; then verdict "NOT TESTED (no Python: $py)"; fi
-gpu=$(timeout 8 "$py" -c '
+gpu=$(timeout 5 "$py" -c '
 import cupy
 n = cupy.cuda.runtime.getDeviceCount()
 name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
 print(n, name.decode() if isinstance(name, bytes) else name, cupy.__version__)' 2>&1 | tail -1)
 rc=$?
 if [[ $rc != 0 ]] || ! [[ $gpu =~ ^[1-9] ]]; then
-  say "STEP GPU: none ($py: ${gpu:-no answer within 8 s})"
+  say "STEP GPU: none ($py: ${gpu:-no answer within 5 s})"
   verdict "NOT TESTED (no CUDA GPU with CuPy on this machine: ${gpu:-no answer})"
 fi
 say "STEP GPU: PASS ($gpu; $py)"
