@@ -41,6 +41,10 @@ $(STAMP): setup.cfg pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The CuPy tests run on the strict CuPy stand-in (tests/fakecupy), staged and CUDA-aware;
+# `make test PYMPAR_FAKE_CUPY=0` uses the real CuPy instead (scripts/gpu_check.sh does).
+test: export PYMPAR_FAKE_CUPY ?= 1
+
 # The suite once without a launcher (a singleton MPI world), then on 2, 4 and 8 ranks.
 # python -m mpi4py aborts the whole job when one rank raises, instead of hanging.
 test: install

@@ -130,8 +130,16 @@ class GradScaler:
         return self._scale if self.enabled else 1.0
 
     def scale(self, x: Any) -> Any:
-        """Return ``x * scale`` in ``x``'s dtype (the loss gradient to back-propagate)."""
-        return x * x.dtype.type(self._scale) if self.enabled else x
+        """Return ``x * scale`` in ``x``'s dtype (the loss gradient to back-propagate).
+
+        As torch does, the product is taken in float32 (at least) and rounded once to
+        ``x``'s dtype: the default scale 2**16 is itself beyond float16's range, so a
+        float16 multiplication would turn every gradient into inf.
+        """
+        if not self.enabled:
+            return x
+        work = np.promote_types(x.dtype, np.float32)
+        return (x.astype(work) * work.type(self._scale)).astype(x.dtype, copy=False)
 
     def step(self, optimizer: Any) -> bool:
         """Unscale and step ``optimizer`` unless any rank's gradients hold inf/NaN.

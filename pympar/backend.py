@@ -31,6 +31,12 @@ __all__ = [
     "wire_dtype",
     "accumulation_dtype",
     "bfloat16",
+    "is_bfloat16",
+    "device_has_bfloat16",
+    "check_dtype",
+    "staging_buffer",
+    "staging_bytes",
+    "release_staging",
     "to_wire",
     "from_wire",
 ]
@@ -44,8 +50,55 @@ def _bfloat16_dtype() -> np.dtype | None:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-#: The bfloat16 dtype of ``ml_dtypes`` when it is installed, else ``None``.
-bfloat16: np.dtype | None = _bfloat16_dtype()
+#: The bfloat16 dtype of ``ml_dtypes`` when it is installed, else ``None``. Bound on first
+#: use (module ``__getattr__``), not with pympar: importing ml_dtypes took about half of
+#: ``import pympar``, and a program without bfloat16 never needs it.
+bfloat16: np.dtype | None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "bfloat16":
+        globals()["bfloat16"] = dtype = _bfloat16_dtype()
+        return dtype
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Return whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes.
+
+    An array can only hold bfloat16 once ml_dtypes is loaded, so this never loads it.
+    """
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    return ml_dtypes is not None and dtype == ml_dtypes.bfloat16
+
+
+def device_has_bfloat16(xp: ModuleType) -> bool:
+    """Return whether array module ``xp`` holds bfloat16 arrays.
+
+    NumPy does with ml_dtypes installed; CuPy from version 14 on (through ml_dtypes).
+    """
+    if getattr(sys.modules[__name__], "bfloat16") is None:
+        return False
+    if xp is np:
+        return True
+    return int(str(getattr(xp, "__version__", "0")).split(".")[0]) >= 14
+
+
+def check_dtype(xp: ModuleType, dtype: Any, what: str) -> None:
+    """Refuse, naming ``what``, a dtype that array module ``xp`` cannot hold.
+
+    Raises
+    ------
+    TypeError
+        For bfloat16 without ml_dtypes, or on CuPy before version 14.
+    """
+    if not (isinstance(dtype, str) and dtype == "bfloat16") and not is_bfloat16(dtype):
+        return
+    if getattr(sys.modules[__name__], "bfloat16") is None:
+        raise TypeError(f"{what}: bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+    if not device_has_bfloat16(xp):
+        raise TypeError(f"{what}: bfloat16 on CuPy needs CuPy 14 or later (this is CuPy "
+                        f"{getattr(xp, '__version__', '?')}); use float16 or float32")
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -162,7 +215,7 @@ def wire_dtype(dtype: Any) -> np.dtype:
     same width: moving data never interprets it.
     """
     dtype = np.dtype(dtype)
-    if bfloat16 is not None and dtype == bfloat16:
+    if is_bfloat16(dtype):
         return np.dtype(np.uint16)
     return dtype
 
@@ -174,7 +227,7 @@ def accumulation_dtype(dtype: Any) -> np.dtype:
     rounding error of adding many 11- or 8-bit mantissas.
     """
     dtype = np.dtype(dtype)
-    if dtype == np.float16 or (bfloat16 is not None and dtype == bfloat16):
+    if dtype == np.float16 or is_bfloat16(dtype):
         return np.dtype(np.float32)
     return dtype
 
@@ -209,21 +262,47 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
         raise TypeError(f"pympar cannot send arrays of dtype {np.dtype(dtype)}: {err}") from None
 
 
-_PINNED: dict[int, np.ndarray] = {}
+_PINNED: dict[Any, np.ndarray] = {}
 
 
-def _pinned(slot: int, like: Any) -> np.ndarray:
-    """A pinned host array shaped like ``like`` from a per-slot, grow-only pool."""
+def staging_buffer(slot: Any, like: Any) -> np.ndarray:
+    """A pinned host array shaped like device array ``like``, from the pool of ``slot``.
+
+    Each slot (any hashable: the collectives use 0 and 1, ring attention its own) keeps
+    one pinned block, grown at least twofold when a larger message comes, so that message
+    sizes creeping up cost a few allocations. The contents are undefined, and the next
+    call for the same slot reuses them: copy out before then. :func:`release_staging`
+    hands every block back to the driver.
+    """
     pool = _PINNED.get(slot)
     if pool is None or pool.nbytes < like.nbytes:
         import cupyx  # only reached with CuPy arrays
-        # Grow at least 2x: a few allocations even when message sizes creep up.
+
         size = max(like.nbytes, 2 * pool.nbytes if pool is not None else 1)
+        del pool
+        _PINNED.pop(slot, None)
         _PINNED[slot] = pool = cupyx.empty_pinned((size,), np.uint8)
     return pool[:like.nbytes].view(like.dtype).reshape(like.shape)
 
 
-def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
+def staging_bytes() -> int:
+    """Bytes of pinned host memory that the staging pools hold now."""
+    return sum(block.nbytes for block in _PINNED.values())
+
+
+def release_staging() -> None:
+    """Hand the pinned staging blocks back to the driver (next use allocates anew).
+
+    :func:`pympar.manager.destroy_parallel` calls it. CuPy's pinned memory pool would
+    otherwise keep the freed blocks for reuse, so its cached blocks are freed too.
+    """
+    _PINNED.clear()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def to_wire(send: Any, recv: Any, staged: bool = False) -> tuple[Any, Any]:
     """Device buffers as MPI should see them: themselves, or pinned host copies.
 
     Parameters
@@ -232,6 +311,9 @@ def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
         The send buffer; for ``IN_PLACE`` or None (a broadcast), ``recv`` holds the input.
     recv : cupy.ndarray
         The receive buffer.
+    staged : bool
+        Stage even with a CUDA-aware MPI: for a non-blocking collective, which CUDA-aware
+        MPIs do not promise to take device memory (Open MPI's do not).
 
     Returns
     -------
@@ -239,13 +321,13 @@ def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
         ``(send, recv)`` to hand to MPI; pass the second to :func:`from_wire` afterwards.
     """
     synchronize(recv)  # kernels writing either buffer ran on this stream
-    if cuda_aware():
+    if not staged and cuda_aware():
         return send, recv
-    host_recv, host_send = _pinned(1, recv), send
+    host_recv, host_send = staging_buffer(1, recv), send
     if send is None or send is MPI.IN_PLACE:
         recv.get(out=host_recv)
     else:
-        host_send = _pinned(0, send)
+        host_send = staging_buffer(0, send)
         send.get(out=host_send)
     synchronize(recv)
     return host_send, host_recv

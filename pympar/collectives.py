@@ -138,7 +138,7 @@ def _axis(axis: Any, ndim: int, what: str) -> int:
 def _movable(x: Any, what: str) -> np.dtype:
     """``x``'s dtype, after refusing one MPI cannot move."""
     dtype = x.dtype
-    if dtype.kind not in _MOVABLE and dtype != backend.bfloat16:
+    if dtype.kind not in _MOVABLE and not backend.is_bfloat16(dtype):
         raise TypeError(f"{what}: pympar collectives move bool, integer, float and complex "
                         f"arrays, not dtype {dtype}")
     return dtype
@@ -258,7 +258,7 @@ def _dest(group: pympar.group.Group, plan: Plan, x: Any, out: Any) -> Any:
         # Two arrays that each own their memory (no base) cannot overlap: the common
         # case skips the 0.15 us bounds comparison.
         if (out is not x and (out.base is not None or x.base is not None)
-                and type(x) is np.ndarray and np.may_share_memory(out, x)):
+                and backend.array_module(x).may_share_memory(out, x)):
             raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
                              f"pass a separate array")
         return out if out.flags.c_contiguous else scratch(group, "dest", out.shape, x.dtype, x)
@@ -286,7 +286,7 @@ def _claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> i
     native = x.dtype.newbyteorder("=")
     if (type(out) is type(x) and out.dtype == native and out.ndim == len(shape)
             and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
-        if type(x) is np.ndarray and np.may_share_memory(out, x):
+        if backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
         return out.shape[axis] + 1
     raise _unfit(x, out, shape, shown, native)
@@ -366,7 +366,10 @@ def _move(group: pympar.group.Group, plan: Plan, x: Any, dest: Any, out: Any,
             recv = scratch(group, "acc", plan.out_shape, plan.work, x)
         else:
             recv = dest
-        wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
+        # Under a timeout MPI gets the non-blocking twin, which CUDA-aware MPIs do not
+        # promise for device memory: device buffers are staged then (see _mpi).
+        wsend, wrecv = (send, recv) if numpy else backend.to_wire(
+            send, recv, staged=_hooked and debug.get_timeout() is not None)
         if check is not None:  # never start the data call before the check has passed
             _agreement.settle(group, plan, check, name, x,
                               debug.get_timeout() if _hooked else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from mpi4py import MPI
 
-from . import faults
+from . import backend, faults
 from .group import Group
 from .initializer_3d import AXES_3D, ParallelMode, cube_depth, make_3d_groups
 from .mesh import Mesh, check_sizes, parse_order
@@ -199,7 +199,8 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
 def destroy_parallel() -> None:
     """Free every communicator of the current state and forget it; collective.
 
-    Does nothing when no state exists.
+    The pinned host buffers that stage CuPy arrays are released too
+    (:func:`pympar.backend.release_staging`). Does nothing when no state exists.
     """
     global _state
     if _state is None:
@@ -207,6 +208,7 @@ def destroy_parallel() -> None:
     for group in _state.all_groups():
         group.free()
     _state = None
+    backend.release_staging()
 
 
 def is_initialized() -> bool:

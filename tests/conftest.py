@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import gpu_stand_in
 from pympar import manager
 
 WORLD = MPI.COMM_WORLD
@@ -80,8 +81,13 @@ def saved_figures(monkeypatch):
         real_close(fig)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    gpu_stand_in.add_option(parser)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    gpu_stand_in.configure(config)
     if WORLD.Get_size() > 1 and config.option.basetemp is None:
         # pytest's shared temporary root is pruned by every process at start-up: ranks
         # racing to prune it warn. One fixed root per rank, emptied by pytest each session.

@@ -6,22 +6,21 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from pympar import backend
+from gpu_stand_in import cupy_in_mode
 from pympar.group import Group
 
+#: NumPy, and CuPy with device buffers staged through the host and given to MPI directly.
 XPS = [pytest.param("numpy", id="numpy"),
-       pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)]
+       pytest.param("cupy-staged", id="cupy-staged", marks=pytest.mark.gpu),
+       pytest.param("cupy-aware", id="cupy-aware", marks=pytest.mark.gpu)]
 DTYPES = [pytest.param(np.float64, id="f64"), pytest.param(np.float32, id="f32")]
 
 
 def get_xp(name: str):
-    """The array module for a test parameter; skips cupy without a GPU."""
+    """The array module for a test parameter (see :func:`gpu_stand_in.cupy_in_mode`)."""
     if name == "numpy":
         return np
-    if not backend.cupy_available():
-        pytest.skip("CuPy with a CUDA device is not available")
-    import cupy
-    return cupy
+    return cupy_in_mode(name.split("-")[1])
 
 
 def tolerance(dtype) -> dict:

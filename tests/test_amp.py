@@ -5,7 +5,7 @@ import pytest
 
 from layer_helpers import block, rng_array
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere
-from pympar import manager
+from pympar import backend, manager
 from pympar.amp import GradScaler, master_weights_optimizer
 from pympar.modules import GELU, ColumnParallelLinear, Linear, Parameter, RowParallelLinear
 from pympar.optim import AdamW, allreduce_gradients
@@ -170,3 +170,25 @@ def test_fp16_recovers_from_overflow(sharded):
     expected = np.array(expected)
     agree(expected[-1] < 0.9 * expected[skipped], f"reference did not train: {expected}")
     assert_close(losses, expected, rtol=2e-3, atol=0, what="float16 loss curve vs float64")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.float32, np.float64])
+def test_scale_multiplies_in_float32_and_rounds_once(dtype):
+    """torch's rule: x * scale in float32, one rounding to x's dtype. The default 2**16 is
+    inf in float16, so a float16 product made every gradient inf and skipped every first step."""
+    if dtype == "bfloat16":
+        dtype = backend.bfloat16
+        if dtype is None:
+            pytest.skip("ml_dtypes (bfloat16) is not installed")
+    dy = (rng_array(3, (4, 5), np.float64) * 1e-3).astype(dtype)
+    scaled = GradScaler().scale(dy)
+    work = np.float64 if dtype == np.float64 else np.float32
+    expected = (dy.astype(work) * 2.0**16).astype(dtype)
+    agree(scaled.dtype == np.dtype(dtype), f"scaled dtype {scaled.dtype}")
+    agree(bool(np.isfinite(scaled.astype(np.float64)).all()), "scaled gradient is not finite")
+    assert_equal(scaled, expected, what="scaled gradient")
+    p = Parameter(np.zeros(3, dtype=np.float32))
+    p.grad = GradScaler().scale(np.full(3, 1e-3, dtype=np.float16)).astype(np.float32)
+    scaler = GradScaler()
+    agree(scaler.step(AdamW([p], lr=0.1)), "the first float16 step was skipped")

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gpu_stand_in import cupy_in_mode
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import backend, collectives
 from pympar.debug import CollectiveMismatchError
@@ -31,24 +32,22 @@ LAYOUTS = ("C", "F", "strided")
 
 
 @pytest.fixture(params=["numpy", "cupy-staged", "cupy-aware"])
-def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The array module under test; CuPy both staged and CUDA-aware (skipped without a GPU)."""
+def xp(request: pytest.FixtureRequest) -> Any:
+    """The array module under test; CuPy both staged and CUDA-aware (gpu_stand_in)."""
     if request.param == "numpy":
         return np
-    if not backend.cupy_available():
-        pytest.skip("CuPy with a CUDA device is not available")
-    aware = request.param == "cupy-aware"
-    if aware and not backend.mpi_library_cuda_support():
-        # Device pointers given to an MPI that cannot read them would crash the job.
-        pytest.skip("the MPI library does not report CUDA support")
-    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "1" if aware else "0")
-    import cupy
-    return cupy
+    return cupy_in_mode(request.param.split("-")[1])
 
 
 def dtypes_for(xp: Any) -> list[np.dtype]:
-    """The dtypes an array module can hold (CuPy has no bfloat16)."""
-    return [d for d in DTYPES if xp is np or d != BF16]
+    """The dtypes an array module can hold (CuPy 14 has bfloat16, through ml_dtypes)."""
+    return [d for d in DTYPES if xp is np or d != BF16 or backend.device_has_bfloat16(xp)]
+
+
+def layouts_for(xp: Any) -> tuple[str, ...]:
+    """The layouts tested: all on NumPy; C and strided on CuPy, where a Fortran-ordered array
+    takes the strided array's path (packing is module-agnostic and tested on NumPy)."""
+    return LAYOUTS if xp is np else ("C", "strided")
 
 
 def random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -152,7 +151,7 @@ def test_all_reduce(xp, group, op):
             inputs = [random(rng, shape, dtype) for _ in range(p)]
             exact = reduce(np.stack([a.astype(np.float64) for a in inputs]), axis=0)
             expected = np.asarray(exact).astype(dtype)
-            for layout in LAYOUTS:
+            for layout in layouts_for(xp):
                 x = laid_out(inputs[r], layout, xp)
                 before = to_numpy(x).copy()
                 what = f"{op} {dtype} {shape} {layout}"
@@ -200,7 +199,7 @@ def test_all_gather_balanced(xp, group, axis):
             full = random(rng, shape, dtype)
             mine = piece(full, p, axis, r)
             n = shape[axis]
-            for layout in LAYOUTS:
+            for layout in layouts_for(xp):
                 x = laid_out(mine, layout, xp)
                 what = f"{dtype} {shape} axis {axis} {layout}"
                 check.equal(group.all_gather(x, axis), full, what)
@@ -247,7 +246,7 @@ def test_reduce_scatter(xp, group, axis):
             inputs = [random(rng, shape, dtype) for _ in range(p)]
             total = np.sum([a.astype(np.float64) for a in inputs], axis=0).astype(dtype)
             expected = piece(total, p, axis, r)
-            for layout in LAYOUTS:
+            for layout in layouts_for(xp):
                 x = laid_out(inputs[r], layout, xp)
                 what = f"{dtype} {shape} axis {axis} {layout}"
                 check.close(group.reduce_scatter(x, axis), expected, what)
@@ -289,7 +288,7 @@ def test_all_to_all_and_round_trip(xp, group, split_axis, concat_axis):
             mine = piece(full, p, concat_axis, r)
             expected = piece(full, p, split_axis, r)
             n = shape[concat_axis]
-            for layout in LAYOUTS:
+            for layout in layouts_for(xp):
                 x = laid_out(mine, layout, xp)
                 what = f"{dtype} {shape} split {split_axis} concat {concat_axis} {layout}"
                 y = group.all_to_all(x, split_axis, concat_axis)
@@ -315,7 +314,7 @@ def test_broadcast(xp, group):
     for dtype in dtypes_for(xp):
         for root in sorted({0, p - 1}):
             inputs = [random(rng, (3, 4), dtype) for _ in range(p)]
-            for layout in LAYOUTS:
+            for layout in layouts_for(xp):
                 x = laid_out(inputs[r], layout, xp)
                 what = f"{dtype} root {root} {layout}"
                 check.equal(group.broadcast(x, root=root), inputs[root], what)

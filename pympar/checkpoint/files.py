@@ -99,10 +99,8 @@ def _host_chunk(src: Any, buffer: Buffer, dtype: np.dtype) -> np.ndarray:
     """``src`` as C-contiguous host memory of ``dtype``: itself when it already is, else a copy
     in the buffer (CuPy arrays are staged chunk by chunk)."""
     if is_cupy_array(src):
-        import cupy
-
         out = buffer.view(tuple(src.shape), dtype)
-        cupy.ascontiguousarray(src).get(out=out)
+        src.get(out=out)  # CuPy makes it contiguous itself (ascontiguousarray makes 0-d 1-d)
         return out
     if src.flags.c_contiguous and src.dtype == dtype:
         return src
@@ -278,7 +276,7 @@ def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: A
         if is_cupy_array(part):
             import cupy
 
-            part[...] = cupy.asarray(np.ascontiguousarray(host))
+            part[...] = cupy.asarray(host)  # np.ascontiguousarray would make a 0-d host 1-d
         else:
             part[...] = host
 

@@ -316,9 +316,12 @@ class Module:
 
 
 def _copy_into(dst: Any, src: Any) -> None:
-    # A CuPy source must come to the host explicitly before landing in a NumPy destination.
-    if hasattr(src, "get") and not hasattr(dst, "get"):
+    # A CuPy source must come to the host explicitly before landing in a NumPy destination,
+    # and a NumPy source go to the device first (CuPy refuses a NumPy array assigned in).
+    if backend.is_cupy_array(src) and not backend.is_cupy_array(dst):
         src = src.get()
+    elif backend.is_cupy_array(dst) and not backend.is_cupy_array(src):
+        src = backend.array_module(dst).asarray(src)
     dst[...] = src
 
 

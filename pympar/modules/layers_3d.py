@@ -45,7 +45,7 @@ from ..group import Group
 from ..initializer_3d import ParallelMode
 from ..mappings import label
 from ..partition import Placement, Split
-from .core import Module, check_array
+from .core import Module, _copy_into, check_array
 from .parameter import Parameter
 from .init_methods import InitMethod
 from .layout_tags import tag, tag_of
@@ -253,9 +253,9 @@ class Linear3D(Module):
         expected = (self.out_features, self.in_features)
         if tuple(weight.shape) != expected:
             raise ValueError(f"{self!r}: full weight must have shape {expected}, got {weight.shape}")
-        self.weight.data[...] = self.weight.placement.take(weight)
+        _copy_into(self.weight.data, self.weight.placement.take(weight))
         if bias is not None and self.bias is not None:
-            self.bias.data[...] = self.bias.placement.take(bias)
+            _copy_into(self.bias.data, self.bias.placement.take(bias))
 
     def _gather_full(self, weight: Any, bias: Any) -> tuple[Any, Any]:
         layout = self.layout

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy
 
-from ..backend import array_module, bfloat16
+from ..backend import array_module, is_bfloat16
 from ..partition import Placement
 from .core import Module, check_array
 from .parameter import Parameter
@@ -32,7 +32,7 @@ def local_row_sums(*terms: Any) -> list[Any]:
         if isinstance(term, tuple):
             a, b = term
             # einsum reduces the product without materializing a * b (it has no bfloat16).
-            s = (array_module(a).einsum("...j,...j->...", a, b)[..., None] if a.dtype != bfloat16
+            s = (array_module(a).einsum("...j,...j->...", a, b)[..., None] if not is_bfloat16(a.dtype)
                  else (a * b).sum(axis=-1, keepdims=True))
         else:
             s = term.sum(axis=-1, keepdims=True)
@@ -91,7 +91,7 @@ def layer_norm_backward(dy: Any, xhat: Any, rstd: Any, weight: Any, hidden: int,
     if param_grads and weight is not None:
         rows = dy.reshape(-1, dy.shape[-1])
         xhat2d = xhat.reshape(rows.shape)
-        dgamma = (xp.einsum("ij,ij->j", rows, xhat2d) if rows.dtype != bfloat16
+        dgamma = (xp.einsum("ij,ij->j", rows, xhat2d) if not is_bfloat16(rows.dtype)
                   else (rows * xhat2d).sum(axis=0))
         dbeta = rows.sum(axis=0)
     if input_grad:

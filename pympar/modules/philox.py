@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence, Union
 
 import numpy
 
+from ..backend import check_dtype
 from .init_methods import InitMethod, get_init_method
 
 __all__ = ["WEIGHT_STREAM", "BIAS_STREAM", "DROPOUT_STREAM", "row_generator", "init_weight_block"]
@@ -128,4 +129,5 @@ def init_weight_block(
             local += 1
     if xp is None or xp is numpy:
         return result
+    check_dtype(xp, result.dtype, "init_weight_block")
     return xp.asarray(result)

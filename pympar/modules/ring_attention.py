@@ -28,12 +28,12 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-import numpy
 from mpi4py import MPI
 
 from .. import stats
 from ..collectives import agree
-from ..backend import array_module, cuda_aware, is_cupy_array, mpi_datatype, synchronize
+from ..backend import (array_module, cuda_aware, is_cupy_array, mpi_datatype, staging_buffer,
+                       synchronize)
 from ..group import Group
 from .blockwise import OnlineSoftmax, Segments, attend_block, attend_block_backward
 
@@ -43,25 +43,35 @@ _KV, _DKV = 17, 18  # message tags: key/value blocks and their gradient accumula
 
 
 class _Transfer:
-    """One posted non-blocking send to the next rank and/or receive from the previous one."""
+    """One posted non-blocking send to the next rank and/or receive from the previous one.
+
+    Device buffers: the stream is synchronized before anything is posted, since a kernel
+    may still write the block to send or read the buffer about to be received into (the
+    last step's block); a CUDA-aware transport writes on its own stream. Without CUDA-aware
+    MPI the blocks travel through pinned host buffers, one per role (tag and direction),
+    reused from call to call.
+    """
 
     def __init__(self, group: Group, operation: str, send: Any = None, recv: Any = None,
                  tag: int = _KV) -> None:
         self.group, self.operation, self.recv, self.send = group, operation, recv, send
         comm, size = group.comm, group.size
-        staged = (send if send is not None else recv) is not None and \
-            is_cupy_array(send if send is not None else recv) and not cuda_aware()
+        device = is_cupy_array(send if send is not None else recv)
+        if device:
+            synchronize(send if send is not None else recv)
+        staged = device and not cuda_aware()
         self.wire_recv = None
         self.requests = []
         if recv is not None:
-            # CuPy without CUDA-aware MPI travels through host buffers
-            self.wire_recv = numpy.empty(recv.shape, recv.dtype) if staged else recv
+            self.wire_recv = staging_buffer(("ring", tag, "recv"), recv) if staged else recv
             self.requests.append(comm.Irecv([self.wire_recv, mpi_datatype(recv.dtype)],
                                             source=(group.rank - 1) % size, tag=tag))
         if send is not None:
-            if is_cupy_array(send):
-                synchronize(send)  # the kernels writing it must be done before MPI reads it
-            self.wire_send = send.get() if staged else send
+            if staged:
+                self.wire_send = staging_buffer(("ring", tag, "send"), send)
+                send.get(out=self.wire_send)  # blocking: the host copy is complete
+            else:
+                self.wire_send = send
             self.requests.append(comm.Isend([self.wire_send, mpi_datatype(send.dtype)],
                                             dest=(group.rank + 1) % size, tag=tag))
 

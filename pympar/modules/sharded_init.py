@@ -16,6 +16,7 @@ from typing import Any, Union
 import numpy
 
 from .. import manager
+from ..backend import check_dtype
 from ..partition import Placement, Split
 from .init_methods import InitMethod, uniform
 from .philox import BIAS_STREAM, WEIGHT_STREAM, init_weight_block
@@ -83,7 +84,9 @@ def init_bias(
         Naming ``layer`` for another ``kind`` or ``fan_in < 1``.
     """
     if kind == "zeros":
-        return (numpy if xp is None else xp).zeros(placement.local_shape, dtype=dtype)
+        xp = numpy if xp is None else xp
+        check_dtype(xp, numpy.dtype(dtype), layer)
+        return xp.zeros(placement.local_shape, dtype=dtype)
     if kind != "uniform":
         raise ValueError(f"{layer}: bias_init must be 'uniform' (torch nn.Linear) or 'zeros', "
                          f"not {kind!r}")
