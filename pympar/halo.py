@@ -1,0 +1,443 @@
+"""Halo exchange on a Cartesian decomposition, and its exact adjoint.
+
+A rank's *padded* block is its block of the field (:class:`~pympar.decomposition.Decomposition`)
+with ``lo`` ghost cells before and ``hi`` after it along each axis. :meth:`HaloExchange.exchange`
+fills the ghosts with the neighbours' cells, axis after axis: along axis ``a`` a rank sends
+its ``lo`` top interior cells up and its ``hi`` bottom interior cells down (one
+``Sendrecv`` each way), over the whole padded extent of the axes already exchanged and the
+interior of the others. The ghosts of earlier axes travel along later ones, so edges and
+corners are filled too, as stencils and convolutions need. Along a periodic axis the field
+wraps around (a rank alone on it copies its own opposite face); where a non-periodic field
+ends, the ghosts are left as they are (:meth:`HaloExchange.forward` sets them to zero).
+
+As a linear map, ``forward`` takes each rank's block to its padded block: zero padding,
+then the exchange. :meth:`HaloExchange.backward` is its exact adjoint (the mappings'
+contract, ``<H x, y> == <x, H* y>`` summed over ranks): the axes in reverse order, each
+rank sends its ghosts' gradients back to where the forward took them from, and the owner
+adds them to its boundary cells; the gradients of the outer (zero) ghosts are dropped.
+
+Faces travel as MPI subarray datatypes of the padded array (no copies; the default for
+NumPy) or packed into reused contiguous buffers (``faces="packed"``; always for CuPy, whose
+device buffers go to MPI as :mod:`pympar.collectives` sends them, directly when
+:func:`pympar.backend.cuda_aware`, else through pinned host buffers).
+
+Every call first makes one agreement check per split axis's group
+(:func:`pympar.collectives.agree`: global shape, widths, periodicity, leading shape,
+dtype, direction), so ranks that call differently, or a rank whose array does not fit,
+raise :class:`~pympar.debug.CollectiveMismatchError` on every rank instead of exchanging
+faces of another size.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import backend, stats
+from .decomposition import Decomposition, agree_all
+
+__all__ = ["HaloExchange"]
+
+_UP, _DOWN = 41, 42  # message tags: faces travelling to the upper and the lower neighbour
+Index = tuple  # a tuple of slices into a padded array
+
+
+def _widths(width: Any, ndim: int) -> tuple[tuple[int, int], ...]:
+    """``width`` (an int, or per axis an int or a ``(lo, hi)`` pair) as ``(lo, hi)`` per axis."""
+    if isinstance(width, (int, np.integer)):
+        width = [width] * ndim
+    width = list(width)
+    if len(width) != ndim:
+        raise ValueError(f"HaloExchange: width has {len(width)} entries for a field of {ndim} "
+                         f"dimensions (give one int, or one int or (lo, hi) pair per axis)")
+    pairs = []
+    for w in width:
+        lo, hi = (w, w) if isinstance(w, (int, np.integer)) else tuple(w)
+        lo, hi = operator.index(lo), operator.index(hi)
+        if lo < 0 or hi < 0:
+            raise ValueError(f"HaloExchange: widths must be >= 0, got {width}")
+        pairs.append((lo, hi))
+    return tuple(pairs)
+
+
+class _Axis:
+    """The four regions of one axis's exchange in a padded array, and who sends to whom.
+
+    ``send_up`` (the top ``lo`` interior cells) fills the upper neighbour's ``recv_lo``;
+    ``send_down`` (the bottom ``hi`` interior cells) fills the lower neighbour's ``recv_hi``.
+    """
+
+    def __init__(self, axis: int, lead: int, padded: tuple[int, ...], interior: Index,
+                 widths: tuple[tuple[int, int], ...], comm: MPI.Comm | None,
+                 neighbours: tuple[int, int]) -> None:
+        lo, hi = widths[axis]
+        n = padded[axis] - lo - hi
+        self.axis, self.comm, (self.lower, self.upper) = axis, comm, neighbours
+        around = [slice(None)] * len(padded)
+        for b in range(axis + 1, len(padded)):
+            around[b] = interior[b]  # later axes: interior only; earlier: the whole padding
+
+        def region(start: int, stop: int) -> Index:
+            index = list(around)
+            index[axis] = slice(start, stop)
+            return (slice(None),) * lead + tuple(index)
+
+        self.recv_lo, self.send_up = region(0, lo), region(n, n + lo)
+        self.recv_hi, self.send_down = region(lo + n, lo + n + hi), region(lo, lo + hi)
+        self.lo, self.hi = lo, hi
+
+
+def _count(region: Index, shape: tuple[int, ...]) -> int:
+    """The number of cells of ``region`` in an array of ``shape``."""
+    return int(np.prod([len(range(*s.indices(n))) for s, n in zip(region, shape)]))
+
+
+class _Plan:
+    """Everything one array shape and dtype needs: regions, MPI datatypes, buffers, key."""
+
+    def __init__(self, halo: "HaloExchange", shape: tuple[int, ...], x: Any) -> None:
+        d = halo.decomposition
+        lead = len(shape) - d.ndim
+        self.shape, self.dtype = shape, x.dtype
+        self.interior = (slice(None),) * lead + halo.interior
+        self.numpy = type(x) is np.ndarray
+        self.subarrays = self.numpy and halo.faces == "subarray"
+        self.axes = []
+        for a in halo.exchanged:
+            group = d.groups[a]
+            comm = None if group is None or group.size == 1 else group.comm
+            self.axes.append(_Axis(a, lead, halo.padded_shape, halo.interior, halo.widths,
+                                   comm, d.neighbours(a)))
+        # Outer ghost slabs (where a non-periodic field ends), zeroed by forward.
+        self.outer: list[Index] = []
+        for a in range(d.ndim):
+            lower, upper = d.neighbours(a)
+            lo, hi = halo.widths[a]
+            full = [slice(None)] * d.ndim
+            for side, none, width, start in ((0, lower, lo, 0), (1, upper, hi,
+                                                                 halo.padded_shape[a] - hi)):
+                if width and none == MPI.PROC_NULL:
+                    full[a] = slice(start, start + width)
+                    self.outer.append((slice(None),) * lead + tuple(full))
+        self.mpi_type = backend.mpi_datatype(x.dtype)
+        self.types: dict[tuple[int, str], MPI.Datatype] = {}
+        self.buffers: dict[Any, Any] = {}
+        self.xp = backend.array_module(x)
+        self.lead_shape = shape[:lead]
+        # Bytes sent (and received) per exchange, for statistics.
+        self.nbytes = sum(x.dtype.itemsize * (_count(ax.recv_lo, shape) + _count(ax.recv_hi, shape))
+                          for ax in self.axes)
+
+    def datatype(self, ax: _Axis, name: str) -> MPI.Datatype:
+        """The committed subarray datatype of region ``name`` of ``ax`` (cached)."""
+        t = self.types.get((ax.axis, name))
+        if t is None:
+            starts, sizes = [], []
+            for s, n in zip(getattr(ax, name), self.shape):
+                start, stop, _ = s.indices(n)
+                starts.append(start)
+                sizes.append(stop - start)
+            t = self.types[ax.axis, name] = self.mpi_type.Create_subarray(
+                list(self.shape), sizes, starts, order=MPI.ORDER_C).Commit()
+        return t
+
+    def buffer(self, ax: _Axis, name: str) -> Any:
+        """A reused contiguous array shaped as region ``name`` of ``ax`` (one per region)."""
+        buf = self.buffers.get((ax.axis, name))
+        if buf is None:
+            shape = [s.indices(n)[1] - s.indices(n)[0] for s, n in zip(getattr(ax, name),
+                                                                          self.shape)]
+            buf = self.buffers[ax.axis, name] = self.xp.empty(shape, self.dtype)
+        return buf
+
+    def free(self) -> None:
+        for t in self.types.values():
+            t.Free()
+        self.types.clear()
+        self.buffers.clear()
+
+
+class HaloExchange:
+    """Ghost cells of a decomposed field: the exchange, and its exact adjoint.
+
+    Parameters
+    ----------
+    decomposition : Decomposition
+        The field's split over the ranks.
+    width : int or sequence
+        Ghost cells per side: one int for every axis, or per axis an int or a
+        ``(lo, hi)`` pair. A halo comes from the nearest neighbour only, so along an
+        exchanged axis it may be at most the smallest block's extent.
+    faces : {"subarray", "packed"}, default "subarray"
+        How NumPy faces reach MPI: as subarray datatypes of the padded array, or copied
+        into reused contiguous buffers. CuPy arrays are always packed.
+
+    Attributes
+    ----------
+    decomposition : Decomposition
+    widths : tuple of (int, int)
+        ``(lo, hi)`` ghost cells per axis.
+    padded_shape : tuple of int
+        This rank's padded block (the trailing axes of the arrays exchanged).
+    interior : tuple of slice
+        Where the block sits in the padded block.
+    exchanged : tuple of int
+        The axes whose ghosts are exchanged: split or periodic, with a nonzero width.
+
+    Raises
+    ------
+    ValueError
+        On every rank, for a width wider than some block along an exchanged axis, or
+        widths of the wrong form.
+    pympar.debug.CollectiveMismatchError
+        On every rank, when ranks pass different widths.
+
+    Notes
+    -----
+    Creating one is collective over the decomposition's groups (one agreement check);
+    so is every call of :meth:`exchange`, :meth:`adjoint`, :meth:`forward` and
+    :meth:`backward`. Arrays are ``(*leading, *padded_shape)`` (or the block's shape for
+    the input of ``forward`` and the result of ``backward``), with any leading axes
+    (batch, channels) alike on every rank; padded arrays must be C-contiguous.
+    """
+
+    def __init__(self, decomposition: Decomposition, width: int | Sequence[Any] = 1,
+                 faces: str = "subarray") -> None:
+        if not isinstance(decomposition, Decomposition):
+            raise TypeError(f"HaloExchange: decomposition must be a pympar Decomposition, "
+                            f"not {type(decomposition).__name__}")
+        if faces not in ("subarray", "packed"):
+            raise ValueError(f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
+        d = decomposition
+        self.decomposition, self.faces = d, faces
+        self.widths = _widths(width, d.ndim)
+        self.padded_shape = tuple(n + lo + hi for n, (lo, hi) in zip(d.local_shape, self.widths))
+        self.interior = tuple(slice(lo, lo + n) for n, (lo, _) in zip(d.local_shape, self.widths))
+        self.exchanged = tuple(a for a in range(d.ndim) if max(self.widths[a]) > 0
+                               and (d.parts[a] > 1 or d.periodic[a]))
+        self._groups = d.split_groups()
+        error = None
+        for a in self.exchanged:
+            smallest = min(d.sizes[a])
+            if max(self.widths[a]) > smallest:
+                block = d.sizes[a].index(smallest)
+                error = ValueError(
+                    f"HaloExchange: a halo of {max(self.widths[a])} cells along axis {a} is "
+                    f"wider than block {block}'s {smallest} cells (extent "
+                    f"{d.global_shape[a]} over {d.parts[a]} ranks): ghosts come from the "
+                    f"nearest neighbour only; use a narrower halo or fewer ranks along "
+                    f"axis {a}")
+                break
+        agree_all(self._groups, ("HaloExchange", d.global_shape, self.widths, faces),
+                  f"HaloExchange(global_shape={d.global_shape}, widths={self.widths})", error)
+        self._plans: dict[tuple, _Plan] = {}
+
+    def __repr__(self) -> str:
+        return f"HaloExchange({self.decomposition!r}, widths={self.widths})"
+
+    # ------------------------------------------------------------------ arrays
+
+    def empty(self, leading: Sequence[int] = (), dtype: Any = np.float64, xp: Any = np) -> Any:
+        """A zero-filled padded array ``(*leading, *padded_shape)`` of ``xp`` (NumPy or CuPy)."""
+        return xp.zeros((*leading, *self.padded_shape), dtype)
+
+    def inner(self, padded: Any) -> Any:
+        """The view of ``padded``'s block (its interior cells)."""
+        return padded[(Ellipsis, *self.interior)]
+
+    # ------------------------------------------------------------------ the pair
+
+    def forward(self, x: Any, out: Any = None) -> Any:
+        """Pad this rank's block with zeros and exchange: ``H x``.
+
+        Parameters
+        ----------
+        x : numpy.ndarray or cupy.ndarray
+            ``(*leading, *local_shape)``.
+        out : array, optional
+            A C-contiguous ``(*leading, *padded_shape)`` array of ``x``'s kind and dtype to
+            write (reuse one across calls to spare the allocation).
+
+        Returns
+        -------
+        array
+            ``out`` or a new padded array; the ghosts where a non-periodic field ends are 0.
+        """
+        ndim = self.decomposition.ndim
+        if out is None and (isinstance(x, np.ndarray) or backend.is_cupy_array(x)) \
+                and x.ndim >= ndim:
+            out = backend.array_module(x).empty((*x.shape[:x.ndim - ndim], *self.padded_shape),
+                                                x.dtype)
+        plan = self._plan(x if out is None else out, "forward", x)
+        out[plan.interior] = x
+        for region in plan.outer:
+            out[region] = 0
+        self._exchange(plan, out)
+        return out
+
+    def backward(self, dy: Any, out: Any = None) -> Any:
+        """The adjoint of :meth:`forward`: the gradient of the block from that of the padding.
+
+        Parameters
+        ----------
+        dy : numpy.ndarray or cupy.ndarray
+            ``(*leading, *padded_shape)``; not modified.
+        out : array, optional
+            Where to write the result, ``(*leading, *local_shape)``.
+
+        Returns
+        -------
+        array
+            ``out`` or a new C-contiguous array: ``dy``'s interior plus the gradients of the
+            neighbours' ghosts that came from this block.
+        """
+        plan = self._plan(dy, "backward")
+        work = plan.buffers.get("work")
+        if work is None:
+            work = plan.buffers["work"] = plan.xp.empty(plan.shape, plan.dtype)
+        work[...] = dy
+        self._adjoint(plan, work)
+        if out is None:
+            return plan.xp.ascontiguousarray(work[plan.interior])
+        out[...] = work[plan.interior]
+        return out
+
+    def exchange(self, padded: Any) -> Any:
+        """Fill ``padded``'s ghosts from the neighbours, in place; return ``padded``.
+
+        The ghosts where a non-periodic field ends are not touched (boundary values are
+        the caller's).
+        """
+        self._exchange(self._plan(padded, "exchange"), padded)
+        return padded
+
+    def adjoint(self, padded: Any) -> Any:
+        """Add the ghosts' values back into the cells they came from, in place.
+
+        The adjoint of :meth:`exchange` followed by taking the interior: returns the view
+        of ``padded``'s interior, which now holds the accumulated gradient. The ghosts are
+        left with meaningless values.
+        """
+        plan = self._plan(padded, "adjoint")
+        self._adjoint(plan, padded)
+        return padded[plan.interior]
+
+    # ------------------------------------------------------------------ internals
+
+    def _plan(self, padded: Any, direction: str, block: Any = None) -> _Plan:
+        """The plan of ``padded``'s shape, after the call's agreement check.
+
+        ``block`` is the input of :meth:`forward`. A rank whose arrays do not fit refuses
+        in the check, so that every rank raises.
+        """
+        error = self._refusal(padded, direction, block)
+        if error is not None:
+            agree_all(self._groups, (), f"HaloExchange.{direction}", error)
+        key = (padded.shape, padded.dtype, type(padded), direction)
+        plan = self._plans.get(key)
+        if plan is None:
+            d = self.decomposition
+            plan = self._plans[key] = _Plan(self, tuple(padded.shape), padded)
+            plan.key = ("HaloExchange", direction, d.global_shape, self.widths,
+                        plan.lead_shape, padded.dtype.newbyteorder("=").str)
+            plan.shown = (f"HaloExchange.{direction}(global_shape={d.global_shape}, "
+                          f"widths={self.widths}, leading={plan.lead_shape}, "
+                          f"dtype={padded.dtype})")
+        agree_all(self._groups, plan.key, plan.shown)
+        return plan
+
+    def _refusal(self, padded: Any, direction: str, block: Any) -> Exception | None:
+        """Why this rank cannot make the call, or None."""
+        d, where = self.decomposition, f"HaloExchange.{direction}"
+        for x, what in ((block, "block"), (padded, "padded array")):
+            if x is not None and not (isinstance(x, np.ndarray) or backend.is_cupy_array(x)):
+                return TypeError(f"{where}: the {what} must be a numpy.ndarray or "
+                                 f"cupy.ndarray, not {type(x).__name__}")
+        if block is not None and (block.ndim < d.ndim
+                                  or tuple(block.shape[block.ndim - d.ndim:]) != d.local_shape):
+            return ValueError(f"{where}: the block has shape {tuple(block.shape)}; expected "
+                              f"(*leading, *{d.local_shape}), this rank's block of "
+                              f"{d.global_shape} split {d.parts} ways")
+        shape = tuple(padded.shape)
+        lead = shape[:max(0, len(shape) - d.ndim)]
+        if shape != (*lead, *self.padded_shape) or not padded.flags.c_contiguous:
+            return ValueError(
+                f"{where}: the padded array has shape {shape}"
+                f"{'' if padded.flags.c_contiguous else ' and is not C-contiguous'}; expected "
+                f"a C-contiguous (*leading, *{self.padded_shape}): this rank's block "
+                f"{d.local_shape} with widths {self.widths}")
+        if block is not None and (type(block) is not type(padded) or block.dtype != padded.dtype
+                                  or tuple(block.shape[:block.ndim - d.ndim]) != lead):
+            return ValueError(f"{where}: out ({type(padded).__name__} {shape} "
+                              f"{padded.dtype}) does not fit the block "
+                              f"({type(block).__name__} {tuple(block.shape)} {block.dtype})")
+        if padded.dtype.kind not in "biufc" and padded.dtype != backend.bfloat16:
+            return TypeError(f"{where}: cannot exchange dtype {padded.dtype}")
+        return None
+
+    def _exchange(self, plan: _Plan, padded: Any) -> None:
+        start = time.perf_counter()
+        for ax in plan.axes:
+            self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, _UP, False)
+            self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, _DOWN,
+                       False)
+        self._account(plan, "halo.exchange", start)
+
+    def _adjoint(self, plan: _Plan, padded: Any) -> None:
+        start = time.perf_counter()
+        for ax in reversed(plan.axes):
+            # Each ghost goes back to whoever filled it and is added there.
+            self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, _DOWN, True)
+            self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, _UP, True)
+        self._account(plan, "halo.adjoint", start)
+
+    def _move(self, plan: _Plan, ax: _Axis, padded: Any, sending: str, receiving: str,
+              dest: int, source: int, tag: int, add: bool) -> None:
+        """Send region ``sending`` of ``ax`` to ``dest`` and receive ``source``'s into region
+        ``receiving`` (added to it when ``add``)."""
+        send, recv = getattr(ax, sending), getattr(ax, receiving)
+        if ax.comm is None:  # alone on a periodic axis: my own opposite face
+            if add:
+                padded[recv] += padded[send]
+            else:
+                padded[recv] = padded[send]
+            return
+        if plan.subarrays and not add:
+            ax.comm.Sendrecv([padded, 1, plan.datatype(ax, sending)], dest, tag,
+                             [padded, 1, plan.datatype(ax, receiving)], source, tag)
+            return
+        incoming = plan.buffer(ax, receiving)
+        if plan.subarrays:  # the adjoint: send in place, receive whole to add
+            ax.comm.Sendrecv([padded, 1, plan.datatype(ax, sending)], dest, tag,
+                             [incoming, plan.mpi_type], source, tag)
+        else:
+            outgoing = plan.buffer(ax, sending)
+            outgoing[...] = padded[send]
+            wire_send, wire_recv = ((outgoing, incoming) if plan.numpy
+                                    else backend.to_wire(outgoing, incoming))
+            ax.comm.Sendrecv([wire_send, plan.mpi_type], dest, tag,
+                             [wire_recv, plan.mpi_type], source, tag)
+            if not plan.numpy:
+                backend.from_wire(incoming, wire_recv)
+        if source == MPI.PROC_NULL:
+            return
+        if add:
+            padded[recv] += incoming
+        else:
+            padded[recv] = incoming
+
+    def _account(self, plan: _Plan, operation: str, start: float) -> None:
+        if stats.is_recording():
+            seconds = time.perf_counter() - start
+            for group in self._groups:
+                stats.add(group.name, operation, plan.nbytes, plan.nbytes, seconds)
+
+    def free(self) -> None:
+        """Free the cached MPI datatypes and buffers (rebuilt on the next call)."""
+        for plan in self._plans.values():
+            plan.free()
+        self._plans.clear()
