@@ -73,10 +73,11 @@ class _Axis:
 
     def __init__(self, axis: int, lead: int, padded: tuple[int, ...], interior: Index,
                  widths: tuple[tuple[int, int], ...], comm: MPI.Comm | None,
-                 neighbours: tuple[int, int]) -> None:
+                 neighbours: tuple[int, int], group_name: str | None = None) -> None:
         lo, hi = widths[axis]
         n = padded[axis] - lo - hi
         self.axis, self.comm, (self.lower, self.upper) = axis, comm, neighbours
+        self.group_name = None if comm is None else group_name
         around = [slice(None)] * len(padded)
         for b in range(axis + 1, len(padded)):
             around[b] = interior[b]  # later axes: interior only; earlier: the whole padding
@@ -111,7 +112,7 @@ class _Plan:
             group = d.groups[a]
             comm = None if group is None or group.size == 1 else group.comm
             self.axes.append(_Axis(a, lead, halo.padded_shape, halo.interior, halo.widths,
-                                   comm, d.neighbours(a)))
+                                   comm, d.neighbours(a), group and group.name))
         # Outer ghost slabs (where a non-periodic field ends), zeroed by forward.
         self.outer: list[Index] = []
         for a in range(d.ndim):
@@ -128,9 +129,12 @@ class _Plan:
         self.buffers: dict[Any, Any] = {}
         self.xp = backend.array_module(x)
         self.lead_shape = shape[:lead]
-        # Bytes sent (and received) per exchange, for statistics.
-        self.nbytes = sum(x.dtype.itemsize * (_count(ax.recv_lo, shape) + _count(ax.recv_hi, shape))
-                          for ax in self.axes)
+        for ax in self.axes:  # bytes sent and received along the axis, for statistics
+            up, down = ax.upper != MPI.PROC_NULL, ax.lower != MPI.PROC_NULL
+            ax.sent = x.dtype.itemsize * (up * _count(ax.send_up, shape)
+                                          + down * _count(ax.send_down, shape))
+            ax.received = x.dtype.itemsize * (down * _count(ax.recv_lo, shape)
+                                              + up * _count(ax.recv_hi, shape))
 
     def datatype(self, ax: _Axis, name: str) -> MPI.Datatype:
         """The committed subarray datatype of region ``name`` of ``ax`` (cached)."""
@@ -159,6 +163,14 @@ class _Plan:
             t.Free()
         self.types.clear()
         self.buffers.clear()
+
+
+def _account(ax: _Axis, operation: str, start: float) -> None:
+    """Record one axis's messages with the statistics recorders (a local copy sends none)."""
+    if ax.comm is not None:
+        sent, received = ((ax.sent, ax.received) if operation == "halo.exchange"
+                          else (ax.received, ax.sent))
+        stats.add(ax.group_name, operation, sent, received, time.perf_counter() - start)
 
 
 class HaloExchange:
@@ -380,20 +392,24 @@ class HaloExchange:
         return None
 
     def _exchange(self, plan: _Plan, padded: Any) -> None:
-        start = time.perf_counter()
+        recording = stats.is_recording()
         for ax in plan.axes:
+            start = time.perf_counter() if recording else 0.0
             self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, _UP, False)
             self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, _DOWN,
                        False)
-        self._account(plan, "halo.exchange", start)
+            if recording:
+                _account(ax, "halo.exchange", start)
 
     def _adjoint(self, plan: _Plan, padded: Any) -> None:
-        start = time.perf_counter()
+        recording = stats.is_recording()
         for ax in reversed(plan.axes):
+            start = time.perf_counter() if recording else 0.0
             # Each ghost goes back to whoever filled it and is added there.
             self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, _DOWN, True)
             self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, _UP, True)
-        self._account(plan, "halo.adjoint", start)
+            if recording:
+                _account(ax, "halo.adjoint", start)
 
     def _move(self, plan: _Plan, ax: _Axis, padded: Any, sending: str, receiving: str,
               dest: int, source: int, tag: int, add: bool) -> None:
@@ -429,12 +445,6 @@ class HaloExchange:
             padded[recv] += incoming
         else:
             padded[recv] = incoming
-
-    def _account(self, plan: _Plan, operation: str, start: float) -> None:
-        if stats.is_recording():
-            seconds = time.perf_counter() - start
-            for group in self._groups:
-                stats.add(group.name, operation, plan.nbytes, plan.nbytes, seconds)
 
     def free(self) -> None:
         """Free the cached MPI datatypes and buffers (rebuilt on the next call)."""
