@@ -270,8 +270,10 @@ class HaloConv(Module):
         _checked(self, self.halo, dy, "output gradient", self.dtype, shape)
         # One check first, which a misfit dy on another rank refuses (whatever follows:
         # the halo's adjoint or only the gradients' all-reduce).
-        agree_all(d.split_groups(), ("HaloConv.backward", shape, self.dtype.str),
-                  f"HaloConv.backward(output gradient {shape}, {self.dtype})")
+        agree_all(d.split_groups(), ("HaloConv.backward", batch, self.out_channels,
+                                     d.global_shape, self.dtype.str),
+                  f"HaloConv.backward(batch={batch}, out_channels={self.out_channels}, "
+                  f"global_shape={d.global_shape}, dtype={self.dtype})")
         xp = array_module(dy)
         dy3 = xp.ascontiguousarray(dy).reshape(batch, self.out_channels, cells)
         w = self.weight.data
