@@ -346,13 +346,18 @@ class HaloExchange:
         ``block`` is the input of :meth:`forward`. A rank whose arrays do not fit refuses
         in the check, so that every rank raises.
         """
-        error = self._refusal(padded, direction, block)
-        if error is not None:
-            agree_all(self._groups, (), f"HaloExchange.{direction}", error)
-        key = (padded.shape, padded.dtype, type(padded), direction)
-        plan = self._plans.get(key)
+        plan = key = None
+        if type(padded) is np.ndarray or backend.is_cupy_array(padded):
+            key = (padded.shape, padded.dtype, type(padded), direction)
+            plan = self._plans.get(key)
+        # A known shape is a fitting shape: then only the layout and the block can be wrong.
+        if plan is None or not padded.flags.c_contiguous or block is not None:
+            error = self._refusal(padded, direction, block)
+            if error is not None:
+                agree_all(self._groups, (), f"HaloExchange.{direction}", error)
         if plan is None:
             d = self.decomposition
+            key = key or (padded.shape, padded.dtype, type(padded), direction)
             plan = self._plans[key] = _Plan(self, tuple(padded.shape), padded)
             plan.key = ("HaloExchange", direction, d.global_shape, self.widths,
                         plan.lead_shape, padded.dtype.newbyteorder("=").str)
