@@ -258,3 +258,21 @@ def test_refusals_everyone_shares(mesh):
     raises_everywhere(ValueError, "periodic has 3 entries", Decomposition, (4, 4), {},
                       (True, True, False))
     agree(MPI.COMM_WORLD.Get_size() == P)
+
+
+def test_the_documentation_picture_shows_what_the_exchange_delivers(mesh):
+    """Each rank's block filled with its block number: the ghosts hold the owners that
+    scripts/draw_halo.py labels them with (walls: 0 here, -1 there)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "draw_halo.py"
+    spec = importlib.util.spec_from_file_location("draw_halo", path)
+    draw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw)
+    for periodic in [(False, True), (True, False)]:
+        d = Decomposition((10, 8), split(mesh, "grid"), periodic)
+        halo = HaloExchange(d, 1)
+        mine = np.full(d.local_shape, draw.block_id(d.coords, d.parts) + 1.0)
+        want = draw.padded_owners((10, 8), d.parts, d.coords, 1, periodic) + 1
+        assert_equal(halo.forward(mine), want.astype(np.float64), f"owners {periodic}")
