@@ -119,8 +119,7 @@ class _Plan:
             lower, upper = d.neighbours(a)
             lo, hi = halo.widths[a]
             full = [slice(None)] * d.ndim
-            for side, none, width, start in ((0, lower, lo, 0), (1, upper, hi,
-                                                                 halo.padded_shape[a] - hi)):
+            for none, width, start in ((lower, lo, 0), (upper, hi, halo.padded_shape[a] - hi)):
                 if width and none == MPI.PROC_NULL:
                     full[a] = slice(start, start + width)
                     self.outer.append((slice(None),) * lead + tuple(full))
@@ -135,6 +134,12 @@ class _Plan:
                                           + down * _count(ax.send_down, shape))
             ax.received = x.dtype.itemsize * (down * _count(ax.recv_lo, shape)
                                               + up * _count(ax.recv_hi, shape))
+            # The forward's two Sendrecv, ready to go: (send type, to, tag, receive type, from).
+            ax.pairs = () if not self.subarrays or ax.comm is None else (
+                (self.datatype(ax, "send_up"), ax.upper, _UP, self.datatype(ax, "recv_lo"),
+                 ax.lower),
+                (self.datatype(ax, "send_down"), ax.lower, _DOWN, self.datatype(ax, "recv_hi"),
+                 ax.upper))
 
     def datatype(self, ax: _Axis, name: str) -> MPI.Datatype:
         """The committed subarray datatype of region ``name`` of ``ax`` (cached)."""
@@ -400,9 +405,14 @@ class HaloExchange:
         recording = stats.is_recording()
         for ax in plan.axes:
             start = time.perf_counter() if recording else 0.0
-            self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, _UP, False)
-            self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, _DOWN,
-                       False)
+            if ax.pairs:  # subarray datatypes: MPI reads and writes the padded array itself
+                for send, dest, tag, recv, source in ax.pairs:
+                    ax.comm.Sendrecv([padded, 1, send], dest, tag, [padded, 1, recv], source, tag)
+            else:
+                self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, _UP,
+                           False)
+                self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, _DOWN,
+                           False)
             if recording:
                 _account(ax, "halo.exchange", start)
 
@@ -427,12 +437,8 @@ class HaloExchange:
             else:
                 padded[recv] = padded[send]
             return
-        if plan.subarrays and not add:
-            ax.comm.Sendrecv([padded, 1, plan.datatype(ax, sending)], dest, tag,
-                             [padded, 1, plan.datatype(ax, receiving)], source, tag)
-            return
         incoming = plan.buffer(ax, receiving)
-        if plan.subarrays:  # the adjoint: send in place, receive whole to add
+        if plan.subarrays:  # (the adjoint) send in place, receive whole to add
             ax.comm.Sendrecv([padded, 1, plan.datatype(ax, sending)], dest, tag,
                              [incoming, plan.mpi_type], source, tag)
         else:
