@@ -276,3 +276,24 @@ def test_the_documentation_picture_shows_what_the_exchange_delivers(mesh):
         mine = np.full(d.local_shape, draw.block_id(d.coords, d.parts) + 1.0)
         want = draw.padded_owners((10, 8), d.parts, d.coords, 1, periodic) + 1
         assert_equal(halo.forward(mine), want.astype(np.float64), f"owners {periodic}")
+
+
+def test_check_bytes_leaves_out_small_fields(mesh, monkeypatch):
+    """A raised PYMPAR_CHECK_BYTES skips the agreement of smaller fields, as for collectives."""
+    from pympar import collectives, debug
+
+    made = []
+    real = collectives.agree
+    monkeypatch.setattr(collectives, "agree", lambda *a: made.append(a) or real(*a))
+    d = Decomposition((16, 24), split(mesh, "grid"), True)
+    full = field((16, 24), seed=2)
+    want = my_padded_block(padded_reference(full, ((1, 1), (1, 1)), d.periodic), d,
+                           ((1, 1), (1, 1)))
+    for threshold, checked in ((16 * 24 * 8 + 1, False), (16 * 24 * 8, True)):
+        monkeypatch.setattr(collectives, "CHECK_BYTES", threshold)
+        halo = HaloExchange(d, 1)
+        made.clear()
+        assert_equal(halo.forward(d.take(full)), want, f"forward at {threshold}")
+        always = debug.is_enabled() or debug.get_timeout() is not None
+        agree(len(made) == (len(d.split_groups()) if checked or always else 0),
+              f"CHECK_BYTES={threshold}: {len(made)} checks")
