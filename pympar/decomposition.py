@@ -137,9 +137,8 @@ class Decomposition:
     def __init__(self, global_shape: Sequence[int], groups: Mapping[int, Group] | None = None,
                  periodic: bool | Sequence[bool] = False) -> None:
         shape = tuple(operator.index(n) for n in global_shape)
-        if not shape or min(shape) < 1:
-            raise ValueError(f"Decomposition: global_shape {shape} needs at least one axis "
-                             f"and every extent >= 1")
+        if not shape:
+            raise ValueError("Decomposition: global_shape needs at least one axis")
         ndim = len(shape)
         per_axis: list[Group | None] = [None] * ndim
         for axis, group in dict(groups or {}).items():
@@ -156,7 +155,15 @@ class Decomposition:
         self.global_shape = shape
         self.ndim = ndim
         self.groups = tuple(per_axis)
-        self.periodic = _periodic(periodic, ndim)
+        # Refusals of the shape or the flags reach the other ranks (they agree next).
+        error = None if min(shape) >= 1 else ValueError(
+            f"Decomposition: global_shape {shape} needs every extent >= 1")
+        try:
+            self.periodic = _periodic(periodic, ndim)
+        except (TypeError, ValueError) as err:
+            error = error or err
+        if error is not None:
+            agree_all(self.split_groups(), (), "Decomposition", error)
         self.parts = tuple(1 if g is None else g.size for g in self.groups)
         self.coords = tuple(0 if g is None else g.rank for g in self.groups)
         self.sizes = tuple(balanced_sizes(n, p) for n, p in zip(shape, self.parts))

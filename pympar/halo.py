@@ -33,7 +33,6 @@ counted), unless debug mode or a timeout is on.
 from __future__ import annotations
 
 import math
-import operator
 import time
 from typing import Any, Sequence
 
@@ -41,137 +40,10 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend, collectives, debug, stats
+from ._halo_plan import DOWN, UP, Axis, Plan, widths
 from .decomposition import Decomposition, agree_all
 
 __all__ = ["HaloExchange"]
-
-_UP, _DOWN = 41, 42  # message tags: faces travelling to the upper and the lower neighbour
-Index = tuple  # a tuple of slices into a padded array
-
-
-def _widths(width: Any, ndim: int) -> tuple[tuple[int, int], ...]:
-    """``width`` (an int, or per axis an int or a ``(lo, hi)`` pair) as ``(lo, hi)`` per axis."""
-    if isinstance(width, (int, np.integer)):
-        width = [width] * ndim
-    width = list(width)
-    if len(width) != ndim:
-        raise ValueError(f"HaloExchange: width has {len(width)} entries for a field of {ndim} "
-                         f"dimensions (give one int, or one int or (lo, hi) pair per axis)")
-    pairs = []
-    for w in width:
-        lo, hi = (w, w) if isinstance(w, (int, np.integer)) else tuple(w)
-        lo, hi = operator.index(lo), operator.index(hi)
-        if lo < 0 or hi < 0:
-            raise ValueError(f"HaloExchange: widths must be >= 0, got {width}")
-        pairs.append((lo, hi))
-    return tuple(pairs)
-
-
-class _Axis:
-    """The four regions of one axis's exchange in a padded array, and who sends to whom.
-
-    ``send_up`` (the top ``lo`` interior cells) fills the upper neighbour's ``recv_lo``;
-    ``send_down`` (the bottom ``hi`` interior cells) fills the lower neighbour's ``recv_hi``.
-    """
-
-    def __init__(self, axis: int, lead: int, padded: tuple[int, ...], interior: Index,
-                 widths: tuple[tuple[int, int], ...], comm: MPI.Comm | None,
-                 neighbours: tuple[int, int], group_name: str | None = None) -> None:
-        lo, hi = widths[axis]
-        n = padded[axis] - lo - hi
-        self.axis, self.comm, (self.lower, self.upper) = axis, comm, neighbours
-        self.group_name = None if comm is None else group_name
-        around = [slice(None)] * len(padded)
-        for b in range(axis + 1, len(padded)):
-            around[b] = interior[b]  # later axes: interior only; earlier: the whole padding
-
-        def region(start: int, stop: int) -> Index:
-            index = list(around)
-            index[axis] = slice(start, stop)
-            return (slice(None),) * lead + tuple(index)
-
-        self.recv_lo, self.send_up = region(0, lo), region(n, n + lo)
-        self.recv_hi, self.send_down = region(lo + n, lo + n + hi), region(lo, lo + hi)
-        self.lo, self.hi = lo, hi
-
-
-def _count(region: Index, shape: tuple[int, ...]) -> int:
-    """The number of cells of ``region`` in an array of ``shape``."""
-    return int(np.prod([len(range(*s.indices(n))) for s, n in zip(region, shape)]))
-
-
-class _Plan:
-    """Everything one array shape and dtype needs: regions, MPI datatypes, buffers, key."""
-
-    def __init__(self, halo: "HaloExchange", shape: tuple[int, ...], x: Any) -> None:
-        d = halo.decomposition
-        lead = len(shape) - d.ndim
-        self.shape, self.dtype = shape, x.dtype
-        self.interior = (slice(None),) * lead + halo.interior
-        self.numpy = type(x) is np.ndarray
-        self.subarrays = self.numpy and halo.faces == "subarray"
-        self.axes = []
-        for a in halo.exchanged:
-            group = d.groups[a]
-            comm = None if group is None or group.size == 1 else group.comm
-            self.axes.append(_Axis(a, lead, halo.padded_shape, halo.interior, halo.widths,
-                                   comm, d.neighbours(a), group and group.name))
-        # Outer ghost slabs (where a non-periodic field ends), zeroed by forward.
-        self.outer: list[Index] = []
-        for a in range(d.ndim):
-            lower, upper = d.neighbours(a)
-            lo, hi = halo.widths[a]
-            full = [slice(None)] * d.ndim
-            for none, width, start in ((lower, lo, 0), (upper, hi, halo.padded_shape[a] - hi)):
-                if width and none == MPI.PROC_NULL:
-                    full[a] = slice(start, start + width)
-                    self.outer.append((slice(None),) * lead + tuple(full))
-        self.mpi_type = backend.mpi_datatype(x.dtype)
-        self.types: dict[tuple[int, str], MPI.Datatype] = {}
-        self.buffers: dict[Any, Any] = {}
-        self.xp = backend.array_module(x)
-        self.lead_shape = shape[:lead]
-        for ax in self.axes:  # bytes sent and received along the axis, for statistics
-            up, down = ax.upper != MPI.PROC_NULL, ax.lower != MPI.PROC_NULL
-            ax.sent = x.dtype.itemsize * (up * _count(ax.send_up, shape)
-                                          + down * _count(ax.send_down, shape))
-            ax.received = x.dtype.itemsize * (down * _count(ax.recv_lo, shape)
-                                              + up * _count(ax.recv_hi, shape))
-            # The forward's two Sendrecv, ready to go: (send type, to, tag, receive type, from).
-            ax.pairs = () if not self.subarrays or ax.comm is None else (
-                (self.datatype(ax, "send_up"), ax.upper, _UP, self.datatype(ax, "recv_lo"),
-                 ax.lower),
-                (self.datatype(ax, "send_down"), ax.lower, _DOWN, self.datatype(ax, "recv_hi"),
-                 ax.upper))
-
-    def datatype(self, ax: _Axis, name: str) -> MPI.Datatype:
-        """The committed subarray datatype of region ``name`` of ``ax`` (cached)."""
-        t = self.types.get((ax.axis, name))
-        if t is None:
-            starts, sizes = [], []
-            for s, n in zip(getattr(ax, name), self.shape):
-                start, stop, _ = s.indices(n)
-                starts.append(start)
-                sizes.append(stop - start)
-            t = self.types[ax.axis, name] = self.mpi_type.Create_subarray(
-                list(self.shape), sizes, starts, order=MPI.ORDER_C).Commit()
-        return t
-
-    def buffer(self, ax: _Axis, name: str) -> Any:
-        """A reused contiguous array shaped as region ``name`` of ``ax`` (one per region)."""
-        buf = self.buffers.get((ax.axis, name))
-        if buf is None:
-            shape = [s.indices(n)[1] - s.indices(n)[0] for s, n in zip(getattr(ax, name),
-                                                                          self.shape)]
-            buf = self.buffers[ax.axis, name] = self.xp.empty(shape, self.dtype)
-        return buf
-
-    def free(self) -> None:
-        for t in self.types.values():
-            t.Free()
-        self.types.clear()
-        self.buffers.clear()
-
 
 def _every_call_checked() -> bool:
     """Whether every call is checked whatever its size (``PYMPAR_CHECK_BYTES`` at its
@@ -179,7 +51,7 @@ def _every_call_checked() -> bool:
     return collectives.CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
 
 
-def _account(ax: _Axis, operation: str, start: float) -> None:
+def _account(ax: Axis, operation: str, start: float) -> None:
     """Record one axis's messages with the statistics recorders (a local copy sends none)."""
     if ax.comm is not None:
         sent, received = ((ax.sent, ax.received) if operation == "halo.exchange"
@@ -240,12 +112,15 @@ class HaloExchange:
             raise ValueError(f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
         d = decomposition
         self.decomposition, self.faces = d, faces
-        self.widths = _widths(width, d.ndim)
+        self._groups = d.split_groups()
+        try:
+            self.widths = widths(width, d.ndim)
+        except (TypeError, ValueError) as err:  # the others agree next: refuse there
+            agree_all(self._groups, (), "HaloExchange", err)
         self.padded_shape = tuple(n + lo + hi for n, (lo, hi) in zip(d.local_shape, self.widths))
         self.interior = tuple(slice(lo, lo + n) for n, (lo, _) in zip(d.local_shape, self.widths))
         self.exchanged = tuple(a for a in range(d.ndim) if max(self.widths[a]) > 0
                                and (d.parts[a] > 1 or d.periodic[a]))
-        self._groups = d.split_groups()
         error = None
         for a in self.exchanged:
             smallest = min(d.sizes[a])
@@ -260,7 +135,7 @@ class HaloExchange:
                 break
         agree_all(self._groups, ("HaloExchange", d.global_shape, self.widths, faces),
                   f"HaloExchange(global_shape={d.global_shape}, widths={self.widths})", error)
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, Plan] = {}
 
     def __repr__(self) -> str:
         return f"HaloExchange({self.decomposition!r}, widths={self.widths})"
@@ -354,7 +229,7 @@ class HaloExchange:
 
     # ------------------------------------------------------------------ internals
 
-    def _plan(self, padded: Any, direction: str, block: Any = None) -> _Plan:
+    def _plan(self, padded: Any, direction: str, block: Any = None) -> Plan:
         """The plan of ``padded``'s shape, after the call's agreement check.
 
         ``block`` is the input of :meth:`forward`. A rank whose arrays do not fit refuses
@@ -373,7 +248,7 @@ class HaloExchange:
         if plan is None:
             d = self.decomposition
             key = key or (padded.shape, padded.dtype, type(padded), direction)
-            plan = self._plans[key] = _Plan(self, tuple(padded.shape), padded)
+            plan = self._plans[key] = Plan(self, tuple(padded.shape), padded)
             plan.key = ("HaloExchange", direction, d.global_shape, self.widths,
                         plan.lead_shape, padded.dtype.newbyteorder("=").str)
             plan.shown = (f"HaloExchange.{direction}(global_shape={d.global_shape}, "
@@ -415,7 +290,7 @@ class HaloExchange:
             return TypeError(f"{where}: cannot exchange dtype {padded.dtype}")
         return None
 
-    def _exchange(self, plan: _Plan, padded: Any) -> None:
+    def _exchange(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
         for ax in plan.axes:
             start = time.perf_counter() if recording else 0.0
@@ -423,24 +298,24 @@ class HaloExchange:
                 for send, dest, tag, recv, source in ax.pairs:
                     ax.comm.Sendrecv([padded, 1, send], dest, tag, [padded, 1, recv], source, tag)
             else:
-                self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, _UP,
+                self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
                            False)
-                self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, _DOWN,
+                self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, DOWN,
                            False)
             if recording:
                 _account(ax, "halo.exchange", start)
 
-    def _adjoint(self, plan: _Plan, padded: Any) -> None:
+    def _adjoint(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
         for ax in reversed(plan.axes):
             start = time.perf_counter() if recording else 0.0
             # Each ghost goes back to whoever filled it and is added there.
-            self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, _DOWN, True)
-            self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, _UP, True)
+            self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, DOWN, True)
+            self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, UP, True)
             if recording:
                 _account(ax, "halo.adjoint", start)
 
-    def _move(self, plan: _Plan, ax: _Axis, padded: Any, sending: str, receiving: str,
+    def _move(self, plan: Plan, ax: Axis, padded: Any, sending: str, receiving: str,
               dest: int, source: int, tag: int, add: bool) -> None:
         """Send region ``sending`` of ``ax`` to ``dest`` and receive ``source``'s into region
         ``receiving`` (added to it when ``add``)."""

@@ -297,3 +297,15 @@ def test_check_bytes_leaves_out_small_fields(mesh, monkeypatch):
         always = debug.is_enabled() or debug.get_timeout() is not None
         agree(len(made) == (len(d.split_groups()) if checked or always else 0),
               f"CHECK_BYTES={threshold}: {len(made)} checks")
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_a_bad_width_or_shape_on_one_rank_only(mesh):
+    """Refused by rank 0 alone: the others, already in the agreement, raise too."""
+    d = Decomposition((8, 8), split(mesh, "grid"))
+    caught = raises_everywhere(Exception, "width has 3 entries", HaloExchange, d,
+                               (1, 1, 1) if WORLD.rank == 0 else 1)
+    agree(isinstance(caught, ValueError if WORLD.rank == 0 else CollectiveMismatchError),
+          repr(caught))
+    raises_everywhere(Exception, "needs every extent >= 1", Decomposition,
+                      (8, 0) if WORLD.rank == 0 else (8, 8), split(mesh, "grid"))
