@@ -70,7 +70,7 @@ def _window(halo: HaloExchange, lead: int, offset: Sequence[int]) -> tuple:
 
 
 class _Padded:
-    """One reused padded buffer per input shape, dtype and array module."""
+    """A padded buffer, reused while the shape, dtype and array module stay the same."""
 
     def __init__(self) -> None:
         self.array: Any = None
