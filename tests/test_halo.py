@@ -309,3 +309,13 @@ def test_a_bad_width_or_shape_on_one_rank_only(mesh):
           repr(caught))
     raises_everywhere(Exception, "needs every extent >= 1", Decomposition,
                       (8, 0) if WORLD.rank == 0 else (8, 8), split(mesh, "grid"))
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_a_field_split_another_way_than_the_group(mesh):
+    """Blocks cut for twice the ranks: every rank refuses, naming its expected block."""
+    d = Decomposition((16, 24), {0: mesh["xy"]})
+    halo = HaloExchange(d, 1)
+    wrong = np.array_split(np.zeros((16, 24)), 2 * P)[WORLD.rank]
+    raises_everywhere(ValueError, r"expected \(\*leading, \*\(\d+, 24\)\), this rank's block of "
+                      r"\(16, 24\) split \(\d+, 1\) ways", halo.forward, wrong)
