@@ -108,15 +108,17 @@ class HaloExchange:
         if not isinstance(decomposition, Decomposition):
             raise TypeError(f"HaloExchange: decomposition must be a pympar Decomposition, "
                             f"not {type(decomposition).__name__}")
-        if faces not in ("subarray", "packed"):
-            raise ValueError(f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
         d = decomposition
         self.decomposition, self.faces = d, faces
         self._groups = d.split_groups()
+        error = None if faces in ("subarray", "packed") else ValueError(
+            f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
         try:
             self.widths = widths(width, d.ndim)
-        except (TypeError, ValueError) as err:  # the others agree next: refuse there
-            agree_all(self._groups, (), "HaloExchange", err)
+        except (TypeError, ValueError) as err:
+            error = error or err
+        if error is not None:  # the others agree next: refuse there
+            agree_all(self._groups, (), "HaloExchange", error)
         self.padded_shape = tuple(n + lo + hi for n, (lo, hi) in zip(d.local_shape, self.widths))
         self.interior = tuple(slice(lo, lo + n) for n, (lo, _) in zip(d.local_shape, self.widths))
         self.exchanged = tuple(a for a in range(d.ndim) if max(self.widths[a]) > 0
