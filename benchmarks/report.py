@@ -2,12 +2,12 @@
 
 ``write_report(folder)`` reads whichever of ``mappings.json``, ``torch_comm.json``,
 ``mlp.json``, ``comm_volume_8.json``, ``comm_volume_27.json``, ``memory.json``,
-``attention.json``, ``checkpoint.json`` and ``runs.json`` exist in ``folder`` (a missing
+``attention.json``, ``checkpoint.json``, ``halo.json`` and ``runs.json`` exist in ``folder`` (a missing
 one is skipped) and writes ``results.md`` plus ``mappings.png``, ``torch_comm.png``,
 ``mlp.png``, ``comm_volume.png``, ``attention_memory.png`` and ``checkpoint.png`` there
 (plots only when matplotlib is installed). The section of the mappings job is in
 :mod:`benchmarks.report_mappings`; those of the memory, attention and checkpoint jobs are in
-:mod:`benchmarks.report_features`.
+:mod:`benchmarks.report_features`; the halo job's is in :mod:`benchmarks.report_halo`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import report_features, report_mappings  # noqa: E402
+from benchmarks import report_features, report_halo, report_mappings  # noqa: E402
 from benchmarks.report_format import load as _load  # noqa: E402
 from benchmarks.report_format import show_size  # noqa: E402
 from benchmarks.report_format import table as _table  # noqa: E402
@@ -36,7 +36,7 @@ TARGET_SHAPE = (256, 8192)
 TARGET_RATIO_INPUT_GRAD = 0.9
 #: The JSON files whose ``machine`` record describes the run, first found first.
 MACHINE_FILES = ("mlp.json", "torch_comm.json", "comm_volume_8.json", "comm_volume_27.json",
-                 "memory.json", "attention.json", "checkpoint.json")
+                 "memory.json", "attention.json", "checkpoint.json", "halo.json")
 
 
 def _machine(folder: Path) -> dict[str, Any] | None:
@@ -351,6 +351,9 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
         lines += report_features.section_attention(attention)
     if checkpoint:
         lines += report_features.section_checkpoint(checkpoint)
+    halo = _load(folder, "halo.json")
+    if halo:
+        lines += report_halo.section_halo(halo)
     written = (_plots(folder, mappings, torch_comm, mlp, volumes, attention, checkpoint)
                if plots else [])
     if written:

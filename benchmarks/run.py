@@ -13,6 +13,7 @@ comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversub
 memory.json         2      bench_memory.py: bytes per rank with ZeRO/bf16/recompute, ZeRO step
 attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memory, zig-zag
 checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
+halo.json           2      bench_halo.py: HaloExchange vs raw mpi4py Sendrecv of the same faces
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -79,6 +80,8 @@ def plan(quick: bool) -> list[Job]:
             Job("attention", "bench_attention.py", 4, "attention.json",
                 ["--seq", "512", "--repeats", "3"], 300),
             Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--quick"], 300),
+            Job("halo", "bench_halo.py", 2, "halo.json",
+                ["--shapes", "256x256,64x64x64", "--repeats", "5", "--warmup", "1"], 300),
         ]
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
@@ -99,6 +102,9 @@ def plan(quick: bool) -> list[Job]:
             ["--seq", "4096", "--repeats", "7"], 900),
         Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json",
             ["--size", "1GiB", "--repeats", "5"], 1800),
+        Job("halo", "bench_halo.py", 2, "halo.json",
+            ["--shapes", "1024x1024,4096x4096,128x128x128,256x256x256", "--repeats", "11",
+             "--warmup", "2"], 900),
     ]
 
 
@@ -263,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for JSON, plots and results.md (default: ./bench-results)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
-                             "comm_volume_27, memory, attention, checkpoint); repeatable")
+                             "comm_volume_27, memory, attention, checkpoint, halo); repeatable")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME",
                         help="skip this job; repeatable")
     parser.add_argument("--mpiexec", default=None, help="launcher (default: as scripts/mpirun.sh)")

@@ -34,6 +34,8 @@ API_PAGES = {
     "initializer_3d": "Initializer_3D_Input",
     "collectives": "all_gather",
     "mappings": "all_to_all_from_sequence_to_hidden",
+    "decomposition": "Decomposition",
+    "halo": "HaloExchange",
     "debug": "CollectiveMismatchError",
     "faults": "MUST_AGREE",
     "launch": "RankZeroParser",
@@ -145,7 +147,7 @@ def test_docs_build_without_warnings(tmp_path):
         html = (out / "api" / f"{page}.html").read_text(encoding="utf-8")
         assert f'id="module-{"pympar" if page == "pympar" else "pympar." + page}"' in html, page
         assert name in html, f"api/{page}.html does not mention {name}"
-    for picture in ("layout_tp_cp_dp.png", "cube_3d.png", "mappings.png"):
+    for picture in ("layout_tp_cp_dp.png", "cube_3d.png", "mappings.png", "halo.png"):
         assert (out / "_images" / picture).is_file(), picture
     # The tool's output on the pages is what the tool prints today.
     from pympar.__main__ import reference_text

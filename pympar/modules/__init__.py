@@ -24,6 +24,7 @@ from .attention import DistributedAttention, ParallelAttention
 from .blockwise import sequence_segments
 from .context_attention import ContextAttention, split_context_group
 from .recompute import Recompute
+from .stencil import HaloConv, Laplacian
 
 __all__ = [
     "Parameter",
@@ -42,6 +43,8 @@ __all__ = [
     "split_context_group",
     "sequence_segments",
     "Recompute",
+    "Laplacian",
+    "HaloConv",
     "GELU",
     "ReLU",
     "Dropout",

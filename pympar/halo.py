@@ -1,0 +1,355 @@
+"""Halo exchange on a Cartesian decomposition, and its exact adjoint.
+
+A rank's *padded* block is its block of the field (:class:`~pympar.decomposition.Decomposition`)
+with ``lo`` ghost cells before and ``hi`` after it along each axis. :meth:`HaloExchange.exchange`
+fills the ghosts with the neighbours' cells, axis after axis: along axis ``a`` a rank sends
+its ``lo`` top interior cells up and its ``hi`` bottom interior cells down (one
+``Sendrecv`` each way), over the whole padded extent of the axes already exchanged and the
+interior of the others. The ghosts of earlier axes travel along later ones, so edges and
+corners are filled too, as stencils and convolutions need. Along a periodic axis the field
+wraps around (a rank alone on it copies its own opposite face); where a non-periodic field
+ends, the ghosts are left as they are (:meth:`HaloExchange.forward` sets them to zero).
+
+As a linear map, ``forward`` takes each rank's block to its padded block: zero padding,
+then the exchange. :meth:`HaloExchange.backward` is its exact adjoint (the mappings'
+contract, ``<H x, y> == <x, H* y>`` summed over ranks): the axes in reverse order, each
+rank sends its ghosts' gradients back to where the forward took them from, and the owner
+adds them to its boundary cells; the gradients of the outer (zero) ghosts are dropped.
+
+Faces travel as MPI subarray datatypes of the padded array (no copies; the default for
+NumPy) or packed into reused contiguous buffers (``faces="packed"``; always for CuPy, whose
+device buffers go to MPI as :mod:`pympar.collectives` sends them, directly when
+:func:`pympar.backend.cuda_aware`, else through pinned host buffers).
+
+Every call first makes one agreement check per split axis's group
+(:func:`pympar.collectives.agree`: global shape, widths, leading shape, dtype, direction),
+so ranks that call differently, or a rank whose array does not fit, raise
+:class:`~pympar.debug.CollectiveMismatchError` on every rank instead of exchanging faces of
+another size. As for the collectives, a raised ``PYMPAR_CHECK_BYTES``
+(:data:`pympar.collectives.CHECK_BYTES`) leaves out fields of fewer bytes (all leading axes
+counted), unless debug mode or a timeout is on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import backend, collectives, debug, stats
+from ._halo_plan import DOWN, UP, Axis, Plan, widths
+from .decomposition import Decomposition, agree_all
+
+__all__ = ["HaloExchange"]
+
+def _every_call_checked() -> bool:
+    """Whether every call is checked whatever its size (``PYMPAR_CHECK_BYTES`` at its
+    default, or debug mode or a timeout on), as for the collectives."""
+    return collectives.CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
+
+
+def _account(ax: Axis, operation: str, start: float) -> None:
+    """Record one axis's messages with the statistics recorders (a local copy sends none)."""
+    if ax.comm is not None:
+        sent, received = ((ax.sent, ax.received) if operation == "halo.exchange"
+                          else (ax.received, ax.sent))
+        stats.add(ax.group_name, operation, sent, received, time.perf_counter() - start)
+
+
+class HaloExchange:
+    """Ghost cells of a decomposed field: the exchange, and its exact adjoint.
+
+    Parameters
+    ----------
+    decomposition : Decomposition
+        The field's split over the ranks.
+    width : int or sequence
+        Ghost cells per side: one int for every axis, or per axis an int or a
+        ``(lo, hi)`` pair. A halo comes from the nearest neighbour only, so along an
+        exchanged axis it may be at most the smallest block's extent.
+    faces : {"subarray", "packed"}, default "subarray"
+        How NumPy faces reach MPI: as subarray datatypes of the padded array, or copied
+        into reused contiguous buffers. CuPy arrays are always packed.
+
+    Attributes
+    ----------
+    decomposition : Decomposition
+    widths : tuple of (int, int)
+        ``(lo, hi)`` ghost cells per axis.
+    padded_shape : tuple of int
+        This rank's padded block (the trailing axes of the arrays exchanged).
+    interior : tuple of slice
+        Where the block sits in the padded block.
+    exchanged : tuple of int
+        The axes whose ghosts are exchanged: split or periodic, with a nonzero width.
+
+    Raises
+    ------
+    ValueError
+        On every rank, for a width wider than some block along an exchanged axis, or
+        widths of the wrong form.
+    pympar.debug.CollectiveMismatchError
+        On every rank, when ranks pass different widths.
+
+    Notes
+    -----
+    Creating one is collective over the decomposition's groups (one agreement check);
+    so is every call of :meth:`exchange`, :meth:`adjoint`, :meth:`forward` and
+    :meth:`backward`. Arrays are ``(*leading, *padded_shape)`` (or the block's shape for
+    the input of ``forward`` and the result of ``backward``), with any leading axes
+    (batch, channels) alike on every rank; padded arrays must be C-contiguous.
+    """
+
+    def __init__(self, decomposition: Decomposition, width: int | Sequence[Any] = 1,
+                 faces: str = "subarray") -> None:
+        if not isinstance(decomposition, Decomposition):
+            raise TypeError(f"HaloExchange: decomposition must be a pympar Decomposition, "
+                            f"not {type(decomposition).__name__}")
+        d = decomposition
+        self.decomposition, self.faces = d, faces
+        self._groups = d.split_groups()
+        error = None if faces in ("subarray", "packed") else ValueError(
+            f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
+        try:
+            self.widths = widths(width, d.ndim)
+        except (TypeError, ValueError) as err:
+            error = error or err
+        if error is not None:  # the others agree next: refuse there
+            agree_all(self._groups, (), "HaloExchange", error)
+        self.padded_shape = tuple(n + lo + hi for n, (lo, hi) in zip(d.local_shape, self.widths))
+        self.interior = tuple(slice(lo, lo + n) for n, (lo, _) in zip(d.local_shape, self.widths))
+        self.exchanged = tuple(a for a in range(d.ndim) if max(self.widths[a]) > 0
+                               and (d.parts[a] > 1 or d.periodic[a]))
+        error = None
+        for a in self.exchanged:
+            smallest = min(d.sizes[a])
+            if max(self.widths[a]) > smallest:
+                block = d.sizes[a].index(smallest)
+                error = ValueError(
+                    f"HaloExchange: a halo of {max(self.widths[a])} cells along axis {a} is "
+                    f"wider than block {block}'s {smallest} cells (extent "
+                    f"{d.global_shape[a]} over {d.parts[a]} ranks): ghosts come from the "
+                    f"nearest neighbour only; use a narrower halo or fewer ranks along "
+                    f"axis {a}")
+                break
+        agree_all(self._groups, ("HaloExchange", d.global_shape, self.widths, faces),
+                  f"HaloExchange(global_shape={d.global_shape}, widths={self.widths})", error)
+        self._plans: dict[tuple, Plan] = {}
+
+    def __repr__(self) -> str:
+        return f"HaloExchange({self.decomposition!r}, widths={self.widths})"
+
+    # ------------------------------------------------------------------ arrays
+
+    def empty(self, leading: Sequence[int] = (), dtype: Any = np.float64, xp: Any = np) -> Any:
+        """A zero-filled padded array ``(*leading, *padded_shape)`` of ``xp`` (NumPy or CuPy)."""
+        return xp.zeros((*leading, *self.padded_shape), dtype)
+
+    def inner(self, padded: Any) -> Any:
+        """The view of ``padded``'s block (its interior cells)."""
+        return padded[(Ellipsis, *self.interior)]
+
+    # ------------------------------------------------------------------ the pair
+
+    def forward(self, x: Any, out: Any = None) -> Any:
+        """Pad this rank's block with zeros and exchange: ``H x``.
+
+        Parameters
+        ----------
+        x : numpy.ndarray or cupy.ndarray
+            ``(*leading, *local_shape)``.
+        out : array, optional
+            A C-contiguous ``(*leading, *padded_shape)`` array of ``x``'s kind and dtype to
+            write (reuse one across calls to spare the allocation).
+
+        Returns
+        -------
+        array
+            ``out`` or a new padded array; the ghosts where a non-periodic field ends are 0.
+        """
+        ndim = self.decomposition.ndim
+        if out is None and (isinstance(x, np.ndarray) or backend.is_cupy_array(x)) \
+                and x.ndim >= ndim:
+            out = backend.array_module(x).empty((*x.shape[:x.ndim - ndim], *self.padded_shape),
+                                                x.dtype)
+        plan = self._plan(x if out is None else out, "forward", x)
+        out[plan.interior] = x
+        for region in plan.outer:
+            out[region] = 0
+        self._exchange(plan, out)
+        return out
+
+    def backward(self, dy: Any, out: Any = None) -> Any:
+        """The adjoint of :meth:`forward`: the gradient of the block from that of the padding.
+
+        Parameters
+        ----------
+        dy : numpy.ndarray or cupy.ndarray
+            ``(*leading, *padded_shape)``; not modified.
+        out : array, optional
+            Where to write the result, ``(*leading, *local_shape)``.
+
+        Returns
+        -------
+        array
+            ``out`` or a new C-contiguous array: ``dy``'s interior plus the gradients of the
+            neighbours' ghosts that came from this block.
+        """
+        plan = self._plan(dy, "backward")
+        work = plan.buffers.get("work")
+        if work is None:
+            work = plan.buffers["work"] = plan.xp.empty(plan.shape, plan.dtype)
+        work[...] = dy
+        self._adjoint(plan, work)
+        if out is None:
+            return plan.xp.ascontiguousarray(work[plan.interior])
+        out[...] = work[plan.interior]
+        return out
+
+    def exchange(self, padded: Any) -> Any:
+        """Fill ``padded``'s ghosts from the neighbours, in place; return ``padded``.
+
+        The ghosts where a non-periodic field ends are not touched (boundary values are
+        the caller's).
+        """
+        self._exchange(self._plan(padded, "exchange"), padded)
+        return padded
+
+    def adjoint(self, padded: Any) -> Any:
+        """Add the ghosts' values back into the cells they came from, in place.
+
+        The adjoint of :meth:`exchange` followed by taking the interior: returns the view
+        of ``padded``'s interior, which now holds the accumulated gradient. The ghosts are
+        left with meaningless values.
+        """
+        plan = self._plan(padded, "adjoint")
+        self._adjoint(plan, padded)
+        return padded[plan.interior]
+
+    # ------------------------------------------------------------------ internals
+
+    def _plan(self, padded: Any, direction: str, block: Any = None) -> Plan:
+        """The plan of ``padded``'s shape, after the call's agreement check.
+
+        ``block`` is the input of :meth:`forward`. A rank whose arrays do not fit refuses
+        in the check, so that every rank raises.
+        """
+        plan = key = None
+        if type(padded) is np.ndarray or backend.is_cupy_array(padded):
+            key = (padded.shape, padded.dtype, type(padded), direction)
+            plan = self._plans.get(key)
+        # A known shape is a fitting shape: then only the layout and the block can be wrong.
+        if plan is None or not padded.flags.c_contiguous or block is not None:
+            error = self._refusal(padded, direction, block)
+            if error is not None:
+                agree_all(self._groups, (), f"HaloExchange.{direction}", error,
+                          _every_call_checked())
+        if plan is None:
+            d = self.decomposition
+            key = key or (padded.shape, padded.dtype, type(padded), direction)
+            plan = self._plans[key] = Plan(self, tuple(padded.shape), padded)
+            plan.key = ("HaloExchange", direction, d.global_shape, self.widths,
+                        plan.lead_shape, padded.dtype.newbyteorder("=").str)
+            plan.shown = (f"HaloExchange.{direction}(global_shape={d.global_shape}, "
+                          f"widths={self.widths}, leading={plan.lead_shape}, "
+                          f"dtype={padded.dtype})")
+            # As the collectives: fields of fewer bytes than PYMPAR_CHECK_BYTES go unchecked.
+            plan.large = (math.prod(plan.lead_shape) * math.prod(d.global_shape)
+                          * padded.dtype.itemsize >= collectives.CHECK_BYTES)
+        if plan.large or _every_call_checked():
+            agree_all(self._groups, plan.key, plan.shown)
+        return plan
+
+    def _refusal(self, padded: Any, direction: str, block: Any) -> Exception | None:
+        """Why this rank cannot make the call, or None."""
+        d, where = self.decomposition, f"HaloExchange.{direction}"
+        for x, what in ((block, "block"), (padded, "padded array")):
+            if x is not None and not (isinstance(x, np.ndarray) or backend.is_cupy_array(x)):
+                return TypeError(f"{where}: the {what} must be a numpy.ndarray or "
+                                 f"cupy.ndarray, not {type(x).__name__}")
+        if block is not None and (block.ndim < d.ndim
+                                  or tuple(block.shape[block.ndim - d.ndim:]) != d.local_shape):
+            return ValueError(f"{where}: the block has shape {tuple(block.shape)}; expected "
+                              f"(*leading, *{d.local_shape}), this rank's block of "
+                              f"{d.global_shape} split {d.parts} ways")
+        shape = tuple(padded.shape)
+        lead = shape[:max(0, len(shape) - d.ndim)]
+        if shape != (*lead, *self.padded_shape) or not padded.flags.c_contiguous:
+            return ValueError(
+                f"{where}: the padded array has shape {shape}"
+                f"{'' if padded.flags.c_contiguous else ' and is not C-contiguous'}; expected "
+                f"a C-contiguous (*leading, *{self.padded_shape}): this rank's block "
+                f"{d.local_shape} with widths {self.widths}")
+        if block is not None and (type(block) is not type(padded) or block.dtype != padded.dtype
+                                  or tuple(block.shape[:block.ndim - d.ndim]) != lead):
+            return ValueError(f"{where}: out ({type(padded).__name__} {shape} "
+                              f"{padded.dtype}) does not fit the block "
+                              f"({type(block).__name__} {tuple(block.shape)} {block.dtype})")
+        if padded.dtype.kind not in "biufc" and padded.dtype != backend.bfloat16:
+            return TypeError(f"{where}: cannot exchange dtype {padded.dtype}")
+        return None
+
+    def _exchange(self, plan: Plan, padded: Any) -> None:
+        recording = stats.is_recording()
+        for ax in plan.axes:
+            start = time.perf_counter() if recording else 0.0
+            if ax.pairs:  # subarray datatypes: MPI reads and writes the padded array itself
+                for send, dest, tag, recv, source in ax.pairs:
+                    ax.comm.Sendrecv([padded, 1, send], dest, tag, [padded, 1, recv], source, tag)
+            else:
+                self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
+                           False)
+                self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, DOWN,
+                           False)
+            if recording:
+                _account(ax, "halo.exchange", start)
+
+    def _adjoint(self, plan: Plan, padded: Any) -> None:
+        recording = stats.is_recording()
+        for ax in reversed(plan.axes):
+            start = time.perf_counter() if recording else 0.0
+            # Each ghost goes back to whoever filled it and is added there.
+            self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, DOWN, True)
+            self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, UP, True)
+            if recording:
+                _account(ax, "halo.adjoint", start)
+
+    def _move(self, plan: Plan, ax: Axis, padded: Any, sending: str, receiving: str,
+              dest: int, source: int, tag: int, add: bool) -> None:
+        """Send region ``sending`` of ``ax`` to ``dest`` and receive ``source``'s into region
+        ``receiving`` (added to it when ``add``)."""
+        send, recv = getattr(ax, sending), getattr(ax, receiving)
+        if ax.comm is None:  # alone on a periodic axis: my own opposite face
+            if add:
+                padded[recv] += padded[send]
+            else:
+                padded[recv] = padded[send]
+            return
+        incoming = plan.buffer(ax, receiving)
+        if plan.subarrays:  # (the adjoint) send in place, receive whole to add
+            ax.comm.Sendrecv([padded, 1, plan.datatype(ax, sending)], dest, tag,
+                             [incoming, plan.mpi_type], source, tag)
+        else:
+            outgoing = plan.buffer(ax, sending)
+            outgoing[...] = padded[send]
+            wire_send, wire_recv = ((outgoing, incoming) if plan.numpy
+                                    else backend.to_wire(outgoing, incoming))
+            ax.comm.Sendrecv([wire_send, plan.mpi_type], dest, tag,
+                             [wire_recv, plan.mpi_type], source, tag)
+            if not plan.numpy:
+                backend.from_wire(incoming, wire_recv)
+        if source == MPI.PROC_NULL:
+            return
+        if add:
+            padded[recv] += incoming
+        else:
+            padded[recv] = incoming
+
+    def free(self) -> None:
+        """Free the cached MPI datatypes and buffers (rebuilt on the next call)."""
+        for plan in self._plans.values():
+            plan.free()
+        self._plans.clear()

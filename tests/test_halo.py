@@ -1,0 +1,321 @@
+"""Halo exchange against slices of the gathered field, its adjoint, and its errors.
+
+The reference is the whole field padded by ``numpy.pad`` (``wrap`` along periodic axes,
+zeros elsewhere, axis after axis, so corners are as a stencil sees them), cut at the blocks
+``numpy.array_split`` gives. Layouts: one axis split over every rank, the second axis split
+over every rank (strided faces), and two axes split over a grid of ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from layer_helpers import XPS, block, get_xp
+from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
+from pympar import Mesh, stats
+from pympar.debug import CollectiveMismatchError
+from pympar.decomposition import Decomposition
+from pympar.halo import HaloExchange
+
+P = WORLD.Get_size()
+PX = 2 if P % 2 == 0 else 1
+PY = P // PX
+LAYOUTS = ["axis0", "axis1", "grid"]
+PERIODIC = [pytest.param((False, False), id="walls"), pytest.param((True, True), id="torus"),
+            pytest.param((True, False), id="channel")]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A PX x PY grid of the world's ranks and its groups (x, y and both)."""
+    m = Mesh(None, {"x": PX, "y": PY}, order="x-y")
+    groups = {"x": m.group("x"), "y": m.group("y"), "xy": m.group("x", "y")}
+    yield groups
+    for g in groups.values():
+        g.free()
+
+
+def split(mesh, layout: str) -> dict:
+    """The groups of a layout, by field axis."""
+    return {"axis0": {0: mesh["xy"]}, "axis1": {1: mesh["xy"]},
+            "grid": {0: mesh["x"], 1: mesh["y"]}}[layout]
+
+
+def padded_reference(full: np.ndarray, widths, periodic) -> np.ndarray:
+    """``full`` padded along its trailing axes: wrapped where periodic, zeros elsewhere."""
+    lead = full.ndim - len(widths)
+    for a, (w, p) in enumerate(zip(widths, periodic)):
+        pad = [(0, 0)] * full.ndim
+        pad[lead + a] = w
+        full = np.pad(full, pad, mode="wrap" if p else "constant")
+    return full
+
+
+def my_padded_block(reference: np.ndarray, d: Decomposition, widths) -> np.ndarray:
+    """This rank's padded block cut from the padded reference (array_split's blocks)."""
+    index = []
+    for n, parts, coord, (lo, hi) in zip(d.global_shape, d.parts, d.coords, widths):
+        b = block(n, parts, coord)
+        index.append(slice(b.start, b.stop + lo + hi))
+    return reference[(Ellipsis, *index)]
+
+
+def field(shape, seed=0, dtype=np.float64):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("xp_name", XPS)
+@pytest.mark.parametrize("faces", ["subarray", "packed"])
+@pytest.mark.parametrize("periodic", PERIODIC)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape, width", [((16, 24), 1),                  # even (2, 4, 8 ranks)
+                                          ((19, 17), ((2, 1), (1, 2)))])  # uneven, lopsided
+def test_ghosts_are_slices_of_the_gathered_field(mesh, layout, periodic, faces, shape, width,
+                                                 xp_name):
+    xp = get_xp(xp_name)
+    d = Decomposition(shape, split(mesh, layout), periodic)
+    halo = HaloExchange(d, width, faces=faces)
+    full = field((2, *shape))  # one leading (channel) axis, held whole
+    expected = my_padded_block(padded_reference(full, halo.widths, periodic), d, halo.widths)
+    x = xp.asarray(d.take(full))
+    y = halo.forward(x)
+    assert_equal(y, expected, "forward")
+    # In place: the same ghosts; where a non-periodic field ends they are left as they were.
+    padded = xp.full((2, *halo.padded_shape), -7.0)
+    halo.inner(padded)[...] = x
+    halo.exchange(padded)
+    keep = to_numpy(halo.forward(xp.ones_like(x))) != 0  # inside the field
+    outer = to_numpy(padded)[~keep]
+    assert_equal(to_numpy(padded)[keep], expected[keep], "exchange")
+    agree(bool((outer == -7).all()), "outer ghosts of exchange were written")
+    # Reused out= gives the same, calls again.
+    out = xp.empty_like(y)
+    assert_equal(halo.forward(x, out=out), expected, "forward(out=)")
+    halo.free()
+
+
+@pytest.mark.parametrize("faces", ["subarray", "packed"])
+@pytest.mark.parametrize("periodic", PERIODIC)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_adjoint_is_exact(mesh, layout, periodic, faces):
+    """<H x, y> = <x, H* y> summed over ranks, and H* y equals the serial scatter-add."""
+    shape, width = (19, 17), ((2, 1), (1, 2))
+    d = Decomposition(shape, split(mesh, layout), periodic)
+    halo = HaloExchange(d, width, faces=faces)
+    rng = np.random.default_rng(100 + WORLD.rank)
+    x = rng.standard_normal((3, *d.local_shape))
+    y = rng.standard_normal((3, *halo.padded_shape))
+    hx, hty = halo.forward(x), halo.backward(y)
+    lhs, rhs = (WORLD.allreduce(float(np.vdot(a, b))) for a, b in ((hx, y), (x, hty)))
+    agree(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"<Hx,y>={lhs!r} <x,H*y>={rhs!r}")
+    # The serial adjoint: every padded cell's value added to the global cell it copies.
+    total = np.zeros((3, *shape))
+    index = []
+    for a, (n, (lo, hi)) in enumerate(zip(shape, halo.widths)):
+        cells = np.arange(d.blocks[a].start - lo, d.blocks[a].stop + hi)
+        index.append(cells % n if periodic[a] else cells)
+    grid = np.meshgrid(*index, indexing="ij")
+    inside = np.ones(grid[0].shape, bool)
+    for g, n in zip(grid, shape):
+        inside &= (g >= 0) & (g < n)
+    for c in range(3):
+        np.add.at(total[c], tuple(g[inside] for g in grid), y[c][inside])
+    total = WORLD.allreduce(total)
+    assert_close(hty, d.take(total), rtol=1e-12, atol=1e-12, what="backward")
+    # In place, on a copy: the same gradient.
+    work = y.copy()
+    assert_close(halo.adjoint(work), hty, rtol=0, atol=0, what="adjoint in place")
+    halo.free()
+
+
+@pytest.mark.parametrize("periodic", PERIODIC)
+def test_three_dimensional_field_over_two_axes(mesh, periodic):
+    """A 3-D field split along its last two axes: every edge and corner ghost is right."""
+    shape = (5, 9, 10)
+    d = Decomposition(shape, {1: mesh["x"], 2: mesh["y"]}, (True, *periodic))
+    halo = HaloExchange(d, 1)
+    full = field(shape, seed=3)
+    y = halo.forward(d.take(full))
+    assert_equal(y, my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
+                                    halo.widths), "forward")
+    rng = np.random.default_rng(7 + WORLD.rank)
+    x, g = rng.standard_normal(d.local_shape), rng.standard_normal(halo.padded_shape)
+    lhs = WORLD.allreduce(float(np.vdot(halo.forward(x), g)))
+    rhs = WORLD.allreduce(float(np.vdot(x, halo.backward(g))))
+    agree(abs(lhs - rhs) <= 1e-12 * abs(lhs), f"{lhs!r} != {rhs!r}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.complex128])
+def test_other_dtypes(mesh, dtype):
+    d = Decomposition((12, 8), split(mesh, "grid"), True)
+    halo = HaloExchange(d, 2)
+    full = (np.arange(96).reshape(12, 8) * (1 + 1j if dtype == np.complex128 else 1)).astype(dtype)
+    assert_equal(halo.forward(d.take(full)),
+                 my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
+                                 halo.widths), "forward")
+
+
+def test_unsplit_periodic_axis_wraps_locally(mesh):
+    """Along an axis nobody shares, a periodic halo is the block's own opposite face."""
+    d = Decomposition((6, 8), {0: mesh["xy"]}, (False, True))
+    halo = HaloExchange(d, (0, 3))
+    full = field((6, 8), seed=5)
+    agree(halo.exchanged == (1,), f"exchanged {halo.exchanged}")
+    assert_equal(halo.forward(d.take(full)),
+                 my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
+                                 halo.widths), "forward")
+
+
+@pytest.mark.parametrize("periodic", [True, False])
+def test_statistics_count_the_faces(mesh, periodic):
+    """Bytes sent per axis group: 2 faces of 24 float64 each (fewer at a wall); the local
+    wrap along the unsplit axis sends nothing."""
+    d = Decomposition((16, 24), {0: mesh["xy"]}, periodic)
+    halo = HaloExchange(d, 1)
+    with stats.record() as recorder:
+        halo.forward(np.zeros(d.local_shape))
+        halo.backward(np.zeros(halo.padded_shape))
+    faces = 2 if periodic else (WORLD.rank > 0) + (WORLD.rank < P - 1)
+    want = {} if P == 1 else {
+        (mesh["xy"].name, "halo.exchange"): [1, faces * 24 * 8, faces * 24 * 8],
+        (mesh["xy"].name, "halo.adjoint"): [1, faces * 24 * 8, faces * 24 * 8]}
+    seen = {key: row[:3] for key, row in recorder.rows.items()}
+    agree(seen == want, f"stats {seen} != {want}")
+
+
+# ------------------------------------------------------------------ errors, on every rank
+
+
+@pytest.mark.skipif(P == 1, reason="needs a neighbour")
+def test_halo_wider_than_a_neighbours_block(mesh):
+    d = Decomposition((P + 1, 4), {0: mesh["xy"]})  # blocks of 2 and 1 cells
+    raises_everywhere(ValueError, r"halo of 2 cells along axis 0 is wider than block \d+'s 1 "
+                      r"cells", HaloExchange, d, 2)
+
+
+def test_halo_wider_than_the_field_on_one_periodic_rank():
+    d = Decomposition((3, 4), {}, True)
+    raises_everywhere(ValueError, "wider than block 0's 3 cells", HaloExchange, d, 4)
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_groups_that_are_no_grid(mesh):
+    """One group for two axes: the neighbours disagree on the other coordinate."""
+    raises_everywhere(ValueError, "do not form a grid", Decomposition, (8, 8),
+                      {0: mesh["xy"], 1: mesh["xy"]})
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_ranks_that_describe_different_fields(mesh):
+    shape = (8, 8) if WORLD.rank else (8, 9)
+    raises_everywhere(CollectiveMismatchError, "Decomposition", Decomposition, shape,
+                      split(mesh, "grid"))
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_ranks_that_ask_different_widths(mesh):
+    d = Decomposition((8, 8), split(mesh, "grid"))
+    raises_everywhere(CollectiveMismatchError, "HaloExchange", HaloExchange, d,
+                      1 if WORLD.rank else 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_array_that_does_not_fit_on_one_rank(mesh, layout):
+    """Rank 0 passes a misshapen array: every rank raises, nobody waits for a face."""
+    d = Decomposition((16, 24), split(mesh, layout), True)
+    halo = HaloExchange(d, 1)
+    shape = halo.padded_shape if WORLD.rank else (halo.padded_shape[0] + 1,
+                                                  halo.padded_shape[1])
+    caught = raises_everywhere(Exception, "the padded array has shape", halo.exchange,
+                               np.zeros(shape))
+    # Rank 0 raises its own reason, the others a mismatch that names it.
+    agree(isinstance(caught, ValueError if WORLD.rank == 0 else CollectiveMismatchError),
+          repr(caught))
+    if P > 1:  # a wrong dtype on one rank only
+        dtype = np.float64 if WORLD.rank else np.float32
+        raises_everywhere(CollectiveMismatchError, "HaloExchange", halo.exchange,
+                          np.zeros(halo.padded_shape, dtype))
+    # The halo still works afterwards.
+    full = field((16, 24), seed=9)
+    assert_equal(halo.forward(d.take(full)),
+                 my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
+                                 halo.widths), "forward after the errors")
+
+
+def test_refusals_everyone_shares(mesh):
+    d = Decomposition((16, 24), split(mesh, "grid"), True)
+    halo = HaloExchange(d, 1)
+    raises_everywhere(ValueError, "not C-contiguous", halo.exchange,
+                      np.zeros(halo.padded_shape[::-1]).T)
+    raises_everywhere(TypeError, "numpy.ndarray or cupy.ndarray", halo.exchange, [[0.0]])
+    raises_everywhere(ValueError, r"the block has shape \(3,\)", halo.forward, np.zeros(3))
+    raises_everywhere(TypeError, "must be a pympar Decomposition", HaloExchange, None)
+    raises_everywhere(ValueError, "width has 3 entries", HaloExchange, d, (1, 1, 1))
+    raises_everywhere(ValueError, "axis 2 is out of range", Decomposition, (4, 4),
+                      {2: mesh["x"]})
+    raises_everywhere(ValueError, "periodic has 3 entries", Decomposition, (4, 4), {},
+                      (True, True, False))
+    agree(MPI.COMM_WORLD.Get_size() == P)
+
+
+def test_the_documentation_picture_shows_what_the_exchange_delivers(mesh):
+    """Each rank's block filled with its block number: the ghosts hold the owners that
+    scripts/draw_halo.py labels them with (walls: 0 here, -1 there)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "draw_halo.py"
+    spec = importlib.util.spec_from_file_location("draw_halo", path)
+    draw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw)
+    for periodic in [(False, True), (True, False)]:
+        d = Decomposition((10, 8), split(mesh, "grid"), periodic)
+        halo = HaloExchange(d, 1)
+        mine = np.full(d.local_shape, draw.block_id(d.coords, d.parts) + 1.0)
+        want = draw.padded_owners((10, 8), d.parts, d.coords, 1, periodic) + 1
+        assert_equal(halo.forward(mine), want.astype(np.float64), f"owners {periodic}")
+
+
+def test_check_bytes_leaves_out_small_fields(mesh, monkeypatch):
+    """A raised PYMPAR_CHECK_BYTES skips the agreement of smaller fields, as for collectives."""
+    from pympar import collectives, debug
+
+    made = []
+    real = collectives.agree
+    monkeypatch.setattr(collectives, "agree", lambda *a: made.append(a) or real(*a))
+    d = Decomposition((16, 24), split(mesh, "grid"), True)
+    full = field((16, 24), seed=2)
+    want = my_padded_block(padded_reference(full, ((1, 1), (1, 1)), d.periodic), d,
+                           ((1, 1), (1, 1)))
+    for threshold, checked in ((16 * 24 * 8 + 1, False), (16 * 24 * 8, True)):
+        monkeypatch.setattr(collectives, "CHECK_BYTES", threshold)
+        halo = HaloExchange(d, 1)
+        made.clear()
+        assert_equal(halo.forward(d.take(full)), want, f"forward at {threshold}")
+        always = debug.is_enabled() or debug.get_timeout() is not None
+        agree(len(made) == (len(d.split_groups()) if checked or always else 0),
+              f"CHECK_BYTES={threshold}: {len(made)} checks")
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_a_bad_width_or_shape_on_one_rank_only(mesh):
+    """Refused by rank 0 alone: the others, already in the agreement, raise too."""
+    d = Decomposition((8, 8), split(mesh, "grid"))
+    caught = raises_everywhere(Exception, "width has 3 entries", HaloExchange, d,
+                               (1, 1, 1) if WORLD.rank == 0 else 1)
+    agree(isinstance(caught, ValueError if WORLD.rank == 0 else CollectiveMismatchError),
+          repr(caught))
+    raises_everywhere(Exception, "needs every extent >= 1", Decomposition,
+                      (8, 0) if WORLD.rank == 0 else (8, 8), split(mesh, "grid"))
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_a_field_split_another_way_than_the_group(mesh):
+    """Blocks cut for twice the ranks: every rank refuses, naming its expected block."""
+    d = Decomposition((16, 24), {0: mesh["xy"]})
+    halo = HaloExchange(d, 1)
+    wrong = np.array_split(np.zeros((16, 24)), 2 * P)[WORLD.rank]
+    raises_everywhere(ValueError, r"expected \(\*leading, \*\(\d+, 24\)\), this rank's block of "
+                      r"\(16, 24\) split \(\d+, 1\) ways", halo.forward, wrong)
