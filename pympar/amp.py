@@ -97,7 +97,8 @@ class GradScaler:
     Attributes
     ----------
     found_inf : bool or None
-        Whether the last :meth:`step` found inf/NaN (and skipped); ``None`` before a step.
+        Whether any :meth:`step` since the last :meth:`update` found inf/NaN (and skipped);
+        ``None`` before a step.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -170,8 +171,11 @@ class GradScaler:
         if not self.enabled:
             optimizer.step()
             return True
-        self.found_inf = bool(flag[0])
-        if self.found_inf:
+        # Kept until update(): with several optimizers, one overflow backs the scale off
+        # even when a later step is clean (torch's rule).
+        overflow = bool(flag[0])
+        self.found_inf = overflow or bool(self.found_inf)
+        if overflow:
             return False
         inv = 1.0 / self._scale
         if getattr(optimizer, "takes_grad_scale", False):
@@ -184,7 +188,8 @@ class GradScaler:
         return True
 
     def update(self) -> None:
-        """Adjust the scale after :meth:`step`: x``backoff_factor`` on inf/NaN, else count.
+        """Adjust the scale after :meth:`step`: x``backoff_factor`` when any step since the
+        last update found inf/NaN, else count one clean step.
 
         Raises
         ------

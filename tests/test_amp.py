@@ -120,6 +120,24 @@ def test_scale_growth_and_backoff_follow_torch_rule():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_an_overflow_in_any_step_since_the_last_update_backs_off():
+    first, second = Parameter(np.zeros(2)), Parameter(np.zeros(2))
+    opts = AdamW([first], lr=0.1), AdamW([second], lr=0.1)
+    scaler = GradScaler(init_scale=1024.0, growth_interval=1)
+    first.grad, second.grad = np.array([np.inf, 1.0]), np.array([1.0, 2.0])
+    stepped = [scaler.step(opt) for opt in opts]  # the first overflows, the second does not
+    scaler.update()
+    # torch backs off to 512 (the scale grew to 2048 when only the last step counted).
+    agree(stepped == [False, True] and scaler.get_scale() == 512.0,
+          f"steps {stepped}, scale {scaler.get_scale()}")
+    agree(np.all(first.data == 0) and np.all(second.data != 0), "the wrong optimizer stepped")
+    first.grad = np.array([1.0, 1.0])
+    [scaler.step(opt) for opt in opts]
+    scaler.update()  # a clean round: the earlier overflow is forgotten after its update
+    agree(scaler.get_scale() == 1024.0, f"scale {scaler.get_scale()} after a clean round")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("sharded", [True, False], ids=["zero", "masters"])
 def test_fp16_recovers_from_overflow(sharded):
     """float16 model: the first scaled gradients overflow; the scaler backs off, then trains
