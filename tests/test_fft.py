@@ -171,3 +171,6 @@ def test_shapes_that_differ_between_ranks_are_refused_on_every_rank(layouts):
     group = layouts["slab"]
     block = np.zeros((2, 6 + (WORLD.rank == 0), 5))
     raises_everywhere(Exception, "", fft.rfftn, block, group)
+    # 8 and 9 real points give 5 modes alike: the label carries the whole extents
+    block = np.zeros((2, 6, 8 + (WORLD.rank == 0)))
+    raises_everywhere(Exception, "whole extents", fft.rfftn, block, group)

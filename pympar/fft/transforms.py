@@ -95,6 +95,14 @@ class _Call:
             self.lengths = None if s is None else tuple(int(n) for n in s)
             if self.lengths is not None:
                 self._check_extents(x, spectral_input)
+            # The exchanges' label carries the whole axes' extents and s=, which the
+            # agreement check then compares: a real transform maps lengths 2k and 2k + 1 to
+            # one spectrum, so the exchanged shapes alone would not tell them apart.
+            splits = len(self.groups)
+            whole = self.axes[:1] + self.axes[splits + 1:] if spectral_input else \
+                self.axes[splits:]
+            self.label = (f"{name}(whole extents {tuple(x.shape[a] for a in whole)}, "
+                          f"s={self.lengths})")
         except (TypeError, ValueError) as err:
             self.refuse(0, err)
             raise
@@ -143,7 +151,7 @@ class _Call:
             return y
         sizes = None if extent is None else balanced_sizes(extent, group.size)
         try:
-            return collectives.all_to_all(group, y, split, concat, None, sizes, self.name)
+            return collectives.all_to_all(group, y, split, concat, None, sizes, self.label)
         except (TypeError, ValueError, CollectiveMismatchError) as err:
             self.refuse(step + 1, err)
             raise
