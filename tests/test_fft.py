@@ -16,7 +16,9 @@ import pytest
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import fft
 from pympar.mesh import Mesh
-from test_collectives import xp  # noqa: F401 - the array-module fixture
+import test_collectives as shared
+
+xp = shared.xp  # the array-module fixture
 
 EVEN, UNEVEN = (64, 64, 64), (63, 50, 65)
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
@@ -138,7 +140,7 @@ def test_adjoint(layouts, shape, layout, norm, name):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_cupy_arrays_use_cupy_fft(xp, layouts):  # noqa: F811 - the fixture
+def test_cupy_arrays_use_cupy_fft(xp, layouts):
     group, shape = layouts["slab"], (9, 8, 6)
     full = _field(shape, np.float64, False, seed=5)
     x = xp.asarray(fft.physical_placement(shape, group).take(full))

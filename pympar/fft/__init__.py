@@ -10,8 +10,9 @@ forward/backward pair like the mappings of :mod:`pympar.mappings`: ``F.backward`
 adjoint of ``F``, so a layer can put an FFT in its forward and the adjoint in its backward.
 
 Every transpose is one :func:`pympar.collectives.all_to_all` (one MPI call, its agreement
-check included); the local transforms are NumPy's (``cupy.fft`` for CuPy arrays), see
-:mod:`pympar.fft._local` for why not SciPy's.
+check included); the local transforms are ``scipy.fft``'s at ``workers=1`` when SciPy is
+installed, else NumPy's, and ``cupy.fft``'s for CuPy arrays (see :mod:`pympar.fft._local`
+for why).
 
 Examples
 --------

@@ -169,23 +169,24 @@ def _to_spectral(call: _Call, x: Any, double_pairs: bool = False) -> Any:
     for step, i in enumerate(reversed(range(splits))):
         y = call.exchange(y, i, step, axes[i + 1], axes[i],
                           None if call.lengths is None else call.lengths[i])
-        y = c2c(y, (axes[i],), norm, inverse=False)
+        y = c2c(y, (axes[i],), norm, inverse=False, overwrite=True)  # y is ours
     return y
 
 
 def _to_physical(call: _Call, y: Any, halve_pairs: bool = False) -> Any:
     axes, norm, splits = call.axes, call.norm, len(call.groups)
     for i in range(splits):
-        y = c2c(y, (axes[i],), norm, inverse=True)
+        y = c2c(y, (axes[i],), norm, inverse=True, overwrite=i > 0)  # the input is the caller's
         y = call.exchange(y, i, splits - 1 - i, axes[i], axes[i + 1], call.spectral_length(i + 1))
     whole = axes[splits:]
     if not call.real:
-        return c2c(y, whole, norm, inverse=True)
+        return c2c(y, whole, norm, inverse=True, overwrite=splits > 0)
     n = call.lengths[-1] if call.lengths is not None else 2 * (y.shape[axes[-1]] - 1)
     if halve_pairs:  # the adjoint of rfftn along the real axis (whole here)
         y = y.copy() if splits == 0 else y
         scale_conjugate_pairs(y, axes[-1], n, 0.5)
-    return c2r(y, whole, [y.shape[a] for a in whole[:-1]] + [n], norm)
+    return c2r(y, whole, [y.shape[a] for a in whole[:-1]] + [n], norm,
+               overwrite=splits > 0 or halve_pairs)
 
 
 class FFTPair:

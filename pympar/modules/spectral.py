@@ -251,18 +251,18 @@ class SpectralConv(Module):
         h = self._exchange(h, 2, 1, "forward", lengths)
         n1 = h.shape[1]
         self._check_modes((n1,))  # x1 is whole now, of one extent on every rank: all raise
-        h = _keep(c2c(h, (1,), _NORM, inverse=False), 1, n1, self.modes[0], False)
+        h = _keep(c2c(h, (1,), _NORM, False, overwrite=True), 1, n1, self.modes[0], False)
         batch, kept_shape = h.shape[0], h.shape[1:-1]
         h = array_module(h).ascontiguousarray(h).reshape(batch, -1, self.in_channels)
         w = self._weight()
         z = _contract(h, w, conj=False).reshape((batch, *kept_shape, self.out_channels))
-        g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), _NORM, inverse=True)
+        g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), _NORM, True, overwrite=True)
         g = self._exchange(g, 1, 2, "forward", lengths)
         for axis in axes:
             last = axis == d
             n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
             g = _pad(g, axis, n, self.modes[axis - 1], last)
-        y = c2r(g, axes, lengths, _NORM)
+        y = c2r(g, axes, lengths, _NORM, overwrite=True)
         self.save_for_backward(h, w, n1, lengths, kept_shape, tuple(x.shape))
         return y
 
@@ -275,21 +275,21 @@ class SpectralConv(Module):
         for axis in axes:
             g = _keep(g, axis, g.shape[axis], self.modes[axis - 1], axis == d)
         g = self._exchange(g, 2, 1, "backward", lengths)
-        dz = _keep(c2c(g, (1,), _ADJOINT, inverse=False), 1, n1, self.modes[0], False)
+        dz = _keep(c2c(g, (1,), _ADJOINT, False, overwrite=True), 1, n1, self.modes[0], False)
         batch = dz.shape[0]
         dz = array_module(dz).ascontiguousarray(dz).reshape(batch, -1, self.out_channels)
         self._accumulate(h, dz)
         if not self.input_grad:
             return None
         dh = _contract(dz, w, conj=True).reshape((batch, *kept_shape, self.in_channels))
-        dh = c2c(_pad(dh, 1, n1, self.modes[0], False), (1,), _ADJOINT, inverse=True)
+        dh = c2c(_pad(dh, 1, n1, self.modes[0], False), (1,), _ADJOINT, True, overwrite=True)
         dh = self._exchange(dh, 1, 2, "backward", lengths)
         for axis in axes:
             last = axis == d
             n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
             dh = _pad(dh, axis, n, self.modes[axis - 1], last)
         scale_conjugate_pairs(dh, d, lengths[-1], 0.5)
-        return c2r(dh, axes, lengths, _ADJOINT)
+        return c2r(dh, axes, lengths, _ADJOINT, overwrite=True)
 
     # d == 1: partial DFTs of the local points, a reduce-scatter and an all-gather of modes
     def _dft(self, x: Any) -> tuple[Any, Any, int]:
