@@ -13,6 +13,7 @@ comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversub
 memory.json         2      bench_memory.py: bytes per rank with ZeRO/bf16/recompute, ZeRO step
 attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memory, zig-zag
 checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
+fft_1/2/4.json      1/2/4  bench_fft.py: FFT round trip vs mpi4py-fft, bytes, FNO layer
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -79,6 +80,8 @@ def plan(quick: bool) -> list[Job]:
             Job("attention", "bench_attention.py", 4, "attention.json",
                 ["--seq", "512", "--repeats", "3"], 300),
             Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--quick"], 300),
+            *_fft_jobs(["--shapes", "32x32x32,33x30x17", "--repeats", "3", "--warmup", "1",
+                        "--fno", "2x32x32x8x6"], 300),
         ]
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
@@ -99,7 +102,14 @@ def plan(quick: bool) -> list[Job]:
             ["--seq", "4096", "--repeats", "7"], 900),
         Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json",
             ["--size", "1GiB", "--repeats", "5"], 1800),
+        *_fft_jobs(["--shapes", "128x128x128,256x256x256", "--repeats", "7", "--warmup", "2",
+                    "--fno", "4x128x128x32x16"], 1800),
     ]
+
+
+def _fft_jobs(args: list[str], timeout: float) -> list[Job]:
+    """bench_fft.py on 1, 2 and 4 ranks (``fft_<ranks>.json``)."""
+    return [Job(f"fft_{n}", "bench_fft.py", n, f"fft_{n}.json", args, timeout) for n in (1, 2, 4)]
 
 
 # --------------------------------------------------------------------------- launcher
