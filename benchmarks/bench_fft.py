@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import interleaved, machine_info, median, say, timed_parallel, write_json  # noqa: E402
 from pympar import fft, stats  # noqa: E402
+from pympar.fft import _local as fft_local  # noqa: E402
 from pympar.memory import activation_bytes, parameter_bytes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
 from pympar.modules.spectral import SpectralBlock  # noqa: E402
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     group = Mesh(COMM, {"x": COMM.Get_size()}).group("x")
     doc: dict[str, Any] = {"machine": machine_info(COMM), "ranks": COMM.Get_size(),
+                           "local_library": fft_local.LIBRARY,
                            "roundtrip": [], "bytes": [], "transpose": [], "local": []}
     for shape in _shapes(args.shapes):
         say(COMM, f"fft round trip {shape} on {COMM.Get_size()} ranks")

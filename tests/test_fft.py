@@ -15,6 +15,7 @@ import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import fft
+from pympar.fft import _local
 from pympar.mesh import Mesh
 import test_collectives as shared
 
@@ -64,12 +65,22 @@ def _inner(a: Any, b: Any) -> float:
     return WORLD.allreduce(float(np.vdot(to_numpy(a), to_numpy(b)).real))
 
 
+@pytest.fixture(params=["scipy.fft", "numpy.fft"])
+def library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The local transforms of NumPy arrays: SciPy's (when installed) or NumPy's."""
+    if request.param == "scipy.fft" and _local._scipy_fft is None:
+        pytest.skip("SciPy is not installed")
+    if request.param == "numpy.fft":
+        monkeypatch.setattr(_local, "_scipy_fft", None)
+    return request.param
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("shape", [EVEN, UNEVEN], ids=["64^3", "63x50x65"])
 @pytest.mark.parametrize("layout", ["slab", "pencil"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("real", [True, False], ids=["rfftn", "fftn"])
-def test_forward_equals_numpy_and_round_trip(layouts, shape, layout, dtype, real):
+def test_forward_equals_numpy_and_round_trip(library, layouts, shape, layout, dtype, real):
     groups = layouts[layout]
     full = _field(shape, dtype, not real)
     x = fft.physical_placement(shape, groups).take(full)

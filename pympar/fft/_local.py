@@ -1,13 +1,16 @@
 """The transforms each rank makes on its own block: SciPy's or NumPy's, CuPy's for CuPy arrays.
 
 NumPy arrays go to ``scipy.fft`` with ``workers=1`` (one thread per rank) when SciPy is
-installed, else to ``numpy.fft``. Both run pocketfft, but SciPy's transforms several axes in
-one C++ call that vectorizes over lines of the strided axes, where NumPy's runs them one axis
-and one line at a time: on the test VM (``benchmarks/bench_fft.py``'s ``local`` section,
-a 128^3 slab's local transforms, best of 15) SciPy's ``rfftn`` over two axes took
-0.64-0.89x NumPy's time, its ``irfftn`` 0.79x, and their 1-D ``fft`` along the split axis
-the same. SciPy may also overwrite the intermediate arrays pympar owns (``overwrite_x``).
-Neither threads unless asked, so the one-thread-per-rank rule holds either way.
+installed, else to ``numpy.fft``. Why SciPy's: both run pocketfft, but SciPy's takes several
+axes in one C++ call that vectorizes over the lines of strided axes, takes ``workers=1``
+explicitly, and may overwrite the intermediate arrays pympar owns (``overwrite_x``), which
+saves a copy per stage. On the shared 2-core test VM, best of 15 on a 128^3 slab's local
+blocks, SciPy's ``rfftn`` over two axes took 0.64-0.89x NumPy's time and its ``irfftn``
+0.8x; 1-D transforms were even; later runs under heavier load scattered both ways, so
+``benchmarks/bench_fft.py`` re-measures all three libraries side by side (its ``local``
+section) and :data:`LIBRARY` says which one ran. FFTW (mpi4py-fft's planner) took about half
+pocketfft's time for the two-axis ``rfftn`` in the same runs: that, not the exchange, is what
+separates pympar's round trip from mpi4py-fft's ``fftw`` backend.
 
 The adjoint of every 1-D stage is the inverse stage with the swapped ``norm``
 (:data:`ADJOINT_NORM`); for the real transforms it also halves (r2c) or doubles (c2r) the

@@ -24,6 +24,8 @@ from .attention import DistributedAttention, ParallelAttention
 from .blockwise import sequence_segments
 from .context_attention import ContextAttention, split_context_group
 from .recompute import Recompute
+from .spectral import (SpectralBlock, SpectralConv, SpectralConv1d, SpectralConv2d,
+                       SpectralConv3d)
 
 __all__ = [
     "Parameter",
@@ -42,6 +44,11 @@ __all__ = [
     "split_context_group",
     "sequence_segments",
     "Recompute",
+    "SpectralConv",
+    "SpectralConv1d",
+    "SpectralConv2d",
+    "SpectralConv3d",
+    "SpectralBlock",
     "GELU",
     "ReLU",
     "Dropout",
