@@ -121,6 +121,30 @@ def test_spectral_conv_equals_reference_forward_and_gradients(space, case):
     _close(layer.weight_real.grad, placement.take(dwr_ref), 1e-10, f"{case} d weight_real")
     _close(layer.weight_imag.grad, placement.take(dwi_ref), 1e-10, f"{case} d weight_imag")
 
+    # finite differences of the distributed layer's <y, dy> along random directions
+    def objective(field: np.ndarray) -> float:
+        out = layer.forward(_block(field, space))
+        layer.saved_tensors()  # release the cache
+        return WORLD.allreduce(float(np.vdot(out, _block(dy, space))))
+
+    v = rng.standard_normal(x.shape)
+    eps = 1e-3  # the map is linear: the central difference is exact up to rounding
+    fd = (objective(x + eps * v) - objective(x - eps * v)) / (2 * eps)
+    exact = WORLD.allreduce(float(np.vdot(dx, _block(v, space))))
+    agree(abs(fd - exact) <= 1e-9 * max(abs(exact), 1.0), f"{case} dx: fd {fd} vs {exact}")
+    for p in (layer.weight_real, layer.weight_imag):
+        w = rng.standard_normal(p.placement.shape)
+        base = p.data.copy()
+        values = []
+        for sign in (1, -1):
+            p.data[...] = base + sign * eps * p.placement.take(w)
+            values.append(objective(x))
+        p.data[...] = base
+        fd = (values[0] - values[1]) / (2 * eps)
+        exact = WORLD.allreduce(float(np.vdot(p.grad, p.placement.take(w))))
+        agree(abs(fd - exact) <= 1e-9 * max(abs(exact), 1.0), f"{case} {p.name}: fd {fd} vs "
+              f"{exact}")
+
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("case", ["1d", "2d-odd", "3d"])

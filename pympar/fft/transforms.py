@@ -157,8 +157,14 @@ class _Call:
             raise
 
 
+def _splits(call: _Call) -> int:
+    """How many axes are split: none when every group has one rank (then one local call
+    transforms every axis, instead of one call per stage)."""
+    return len(call.groups) if any(g.size > 1 for g in call.groups) else 0
+
+
 def _to_spectral(call: _Call, x: Any, double_pairs: bool = False) -> Any:
-    axes, norm, splits = call.axes, call.norm, len(call.groups)
+    axes, norm, splits = call.axes, call.norm, _splits(call)
     whole = axes[splits:]
     if call.real:
         y = r2c(x, whole, norm)
@@ -174,7 +180,7 @@ def _to_spectral(call: _Call, x: Any, double_pairs: bool = False) -> Any:
 
 
 def _to_physical(call: _Call, y: Any, halve_pairs: bool = False) -> Any:
-    axes, norm, splits = call.axes, call.norm, len(call.groups)
+    axes, norm, splits = call.axes, call.norm, _splits(call)
     for i in range(splits):
         y = c2c(y, (axes[i],), norm, inverse=True, overwrite=i > 0)  # the input is the caller's
         y = call.exchange(y, i, splits - 1 - i, axes[i], axes[i + 1], call.spectral_length(i + 1))
