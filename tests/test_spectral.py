@@ -272,3 +272,21 @@ def test_more_modes_than_the_grid_is_refused_on_every_rank(space):
     if WORLD.size > 1:  # one rank's field has another x2: it alone refuses, all raise
         bad = np.zeros((1, 2, 6 + 2 * (WORLD.rank == 0), 3), np.float32)
         raises_everywhere(Exception, "", SpectralConv2d(3, 2, 2, space).forward, bad)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_a_rank_may_hold_no_batch_rows(space, dims):
+    """Data parallelism can leave a rank without samples (a small validation batch)."""
+    grid, modes = {1: ((8,), 3), 2: ((8, 6), 2), 3: ((8, 6, 4), 2)}[dims]
+    layer = LAYERS[dims](CIN, COUT, modes, space, np.float64)
+    rows = len(range(*_rows(grid[0], space)))
+    y = layer.forward(np.zeros((0, rows, *grid[1:], CIN)))
+    dx = layer.backward(np.zeros(y.shape))
+    agree(y.shape == (0, rows, *grid[1:], COUT) and dx.shape == (0, rows, *grid[1:], CIN),
+          f"{y.shape} {dx.shape}")
+
+
+def _rows(n: int, group: Any) -> tuple[int, int]:
+    block = Placement((n,), (Split(0, group.size, group.rank),)).axis_ranges[0][0]
+    return block.start, block.stop

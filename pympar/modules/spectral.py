@@ -253,7 +253,8 @@ class SpectralConv(Module):
         self._check_modes((n1,))  # x1 is whole now, of one extent on every rank: all raise
         h = _keep(c2c(h, (1,), _NORM, False, overwrite=True), 1, n1, self.modes[0], False)
         batch, kept_shape = h.shape[0], h.shape[1:-1]
-        h = array_module(h).ascontiguousarray(h).reshape(batch, -1, self.in_channels)
+        modes = int(numpy.prod(kept_shape))  # explicit: a rank may hold no batch rows
+        h = array_module(h).ascontiguousarray(h).reshape(batch, modes, self.in_channels)
         w = self._weight()
         z = _contract(h, w, conj=False).reshape((batch, *kept_shape, self.out_channels))
         g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), _NORM, True, overwrite=True)
@@ -277,7 +278,8 @@ class SpectralConv(Module):
         g = self._exchange(g, 2, 1, "backward", lengths)
         dz = _keep(c2c(g, (1,), _ADJOINT, False, overwrite=True), 1, n1, self.modes[0], False)
         batch = dz.shape[0]
-        dz = array_module(dz).ascontiguousarray(dz).reshape(batch, -1, self.out_channels)
+        modes = int(numpy.prod(kept_shape))
+        dz = array_module(dz).ascontiguousarray(dz).reshape(batch, modes, self.out_channels)
         self._accumulate(h, dz)
         if not self.input_grad:
             return None
