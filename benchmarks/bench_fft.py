@@ -98,7 +98,7 @@ def roundtrip(shape: tuple[int, ...], group: Any, repeats: int, warmup: int) -> 
                 plan = anchor.PFFT(COMM, shape, axes=(0, 1, 2), dtype=np.float64, grid=(-1,),
                                    backend=backend)
             except Exception as err:  # noqa: BLE001 - a backend that cannot plan is noted
-                notes.append(f"mpi4py-fft {backend}: {err}")
+                notes.append(f"mpi4py-fft {backend} cannot plan it: {type(err).__name__} {err}")
                 continue
             a = anchor.newDistArray(plan, forward_output=False)
             a_hat = anchor.newDistArray(plan, forward_output=True)
