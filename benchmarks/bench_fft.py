@@ -3,7 +3,7 @@
 Run under a launcher, one job per rank count::
 
     mpiexec -n 2 python benchmarks/bench_fft.py --shapes 128x128x128,256x256x256 \\
-        --repeats 7 --out fft_2.json
+        --repeats 7 --json fft_2.json
 
 Sections of the JSON document:
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fno", default="4x128x128x32x16",
                    help="batch x grid1 x grid2 x width x modes of the FNO layer ('' skips)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None, help="where to write the results")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     group = Mesh(COMM, {"x": COMM.Get_size()}).group("x")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["fno"] = fno_step((g1, g2), batch, width, modes, group, args.repeats, args.warmup)
     group.free()
     if COMM.Get_rank() == 0:
-        write_json(args.out, doc)
+        write_json(args.json, doc)
     return 0
 
 

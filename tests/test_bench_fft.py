@@ -24,7 +24,7 @@ def test_bench_fft_runs_and_counts_the_formula_bytes(tmp_path, monkeypatch, anch
         pytest.skip("mpi4py-fft is not installed (pip install -e .[bench])")
     out = WORLD.bcast(str(tmp_path / "fft.json"))
     bench_fft.main(["--shapes", "16x16x10", "--repeats", "1", "--warmup", "0",
-                    "--fno", "1x8x6x2x2", "--out", out])
+                    "--fno", "1x8x6x2x2", "--json", out])
     WORLD.Barrier()
     doc = json.loads(Path(out).read_text())
     trip = doc["roundtrip"][0]
