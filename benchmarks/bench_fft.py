@@ -19,7 +19,7 @@ Sections of the JSON document:
   Python) and a raw NumPy pack + ``Alltoall``;
 * ``local``: the local transforms of the slab (``rfftn`` over axes 1, 2; ``fft`` over axis 0)
   with NumPy, ``scipy.fft`` at ``workers=1`` and FFTW (mpi4py-fft's planner, one thread);
-* ``fno``: one step (forward + backward) of an FNO layer (:class:`~pympar.modules.spectral.
+* ``fno``: one step (forward + backward) of an FNO layer (:class:`~pympar.modules.fno.
   SpectralBlock`, the field's ``x1`` split over the world): median seconds, the peak bytes
   NumPy allocated during it (``tracemalloc``), the parameters and cached activations per
   rank, and the weight bytes a replicated layout would hold instead.
@@ -45,7 +45,7 @@ from pympar import fft, stats  # noqa: E402
 from pympar.fft import _local as fft_local  # noqa: E402
 from pympar.memory import activation_bytes, parameter_bytes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
-from pympar.modules.spectral import SpectralBlock  # noqa: E402
+from pympar.modules.fno import SpectralBlock  # noqa: E402
 from pympar.partition import balanced_sizes  # noqa: E402
 
 COMM = MPI.COMM_WORLD

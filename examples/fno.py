@@ -6,12 +6,12 @@ viscosity ``--nu`` (semi-implicit: viscosity exact, advection explicit, 2/3 de-a
 An FNO learns the map ``w(t) -> w(t + T)``:
 
 * the grid's first axis is split over the **spatial** group (``--spatial`` ranks): every
-  :class:`~pympar.modules.spectral.SpectralBlock` transforms its rows, keeps the kept modes,
+  :class:`~pympar.modules.fno.SpectralBlock` transforms its rows, keeps the kept modes,
   and exchanges only those (one all-to-all each way); the spectral weights are split by
   mode over the spatial group, the lifting, pointwise and projection layers replicated;
 * **data** parallelism (the remaining ranks) splits every batch;
 * gradients: the replicated parameters' are summed over data x spatial, the mode-split
-  spectral weights' over data only (:func:`pympar.modules.spectral.split_parameters`).
+  spectral weights' over data only (:func:`pympar.modules.fno.split_parameters`).
 
 Run ``mpiexec -n 4 python -m mpi4py examples/fno.py --spatial 2`` (or serially). Rank 0
 prints the layout, the loss, the validation error against the solver and the throughput,
@@ -39,7 +39,7 @@ from pympar import checkpoint
 from pympar.launch import RankZeroParser, launcher_hint, report_error
 from pympar.mesh import Mesh
 from pympar.modules import GELU, Linear, Module
-from pympar.modules.spectral import SpectralBlock, split_parameters
+from pympar.modules.fno import SpectralBlock, split_parameters
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.partition import block_slice
 from pympar.preemption import Preemption

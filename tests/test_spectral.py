@@ -19,8 +19,8 @@ import pytest
 from mpi_helpers import WORLD, agree, raises_everywhere
 from pympar.mesh import Mesh
 from pympar.modules import GELU, Linear, Sequential
-from pympar.modules.spectral import (SpectralBlock, SpectralConv1d, SpectralConv2d,
-                                     SpectralConv3d, split_parameters)
+from pympar.modules.fno import SpectralBlock, split_parameters
+from pympar.modules.spectral import SpectralConv1d, SpectralConv2d, SpectralConv3d
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.partition import Placement, Split
 

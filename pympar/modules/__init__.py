@@ -24,8 +24,8 @@ from .attention import DistributedAttention, ParallelAttention
 from .blockwise import sequence_segments
 from .context_attention import ContextAttention, split_context_group
 from .recompute import Recompute
-from .spectral import (SpectralBlock, SpectralConv, SpectralConv1d, SpectralConv2d,
-                       SpectralConv3d)
+from .spectral import SpectralConv, SpectralConv1d, SpectralConv2d, SpectralConv3d
+from .fno import SpectralBlock, split_parameters
 
 __all__ = [
     "Parameter",
@@ -49,6 +49,7 @@ __all__ = [
     "SpectralConv2d",
     "SpectralConv3d",
     "SpectralBlock",
+    "split_parameters",
     "GELU",
     "ReLU",
     "Dropout",

@@ -19,8 +19,8 @@ The weights are **split by mode** over ``group``, along the mode axis that the e
 (``x2``'s for ``d >= 2``, ``x1``'s for ``d == 1``): each rank multiplies exactly the modes it
 holds, so a rank stores ``1/P`` of the weights, their gradients are complete without any
 reduction over ``group`` (reduce them over the data-parallel group only, see
-:func:`split_parameters`), and nothing else crosses the network. Replicated weights would cost
-every rank the full weights (the largest tensors of an FNO) and an all-reduce of their
+:func:`pympar.modules.fno.split_parameters`), and nothing else crosses the network.
+Replicated weights would cost every rank the full weights (the largest tensors of an FNO) and an all-reduce of their
 gradients over ``group``; split by channel, every rank would need every mode of its channels,
 a second all-to-all each way (``benchmarks/bench_fft.py`` prices the three).
 
@@ -41,31 +41,13 @@ from ..backend import array_module
 from ..fft._local import ADJOINT_NORM, c2c, c2r, r2c, scale_conjugate_pairs
 from ..group import Group
 from ..partition import Placement, Split, balanced_sizes
-from .activations import GELU
 from .core import Module, check_array
-from .linear import Linear
 from .parameter import Parameter
 
-__all__ = ["SpectralConv", "SpectralConv1d", "SpectralConv2d", "SpectralConv3d",
-           "SpectralBlock", "split_parameters"]
+__all__ = ["SpectralConv", "SpectralConv1d", "SpectralConv2d", "SpectralConv3d"]
 
 _NORM = "backward"  # NumPy's default: the forward transform unscaled, the inverse 1/N
 _ADJOINT = ADJOINT_NORM[_NORM]
-
-
-def split_parameters(module: Module) -> tuple[list[Parameter], list[Parameter]]:
-    """The parameters of ``module`` whose gradients sum over the data x spatial group
-    (replicated ones), and those whose gradients sum over the data-parallel group only (split
-    by mode over the spatial group: their gradients are already complete there).
-
-    Examples
-    --------
-    ``replicated, split = split_parameters(model)``, then
-    ``allreduce_gradients(replicated, data_spatial)`` and ``allreduce_gradients(split, data)``.
-    """
-    params = module.parameters()
-    return ([p for p in params if p.placement.replicated],
-            [p for p in params if not p.placement.replicated])
 
 
 def _keep(x: Any, axis: int, n: int, m: int, half: bool) -> Any:
@@ -397,56 +379,3 @@ class SpectralConv3d(SpectralConv):
         super().__init__(in_channels, out_channels, _modes(3, modes), group, dtype, seed, xp,
                          input_grad)
 
-
-class SpectralBlock(Module):
-    """One Fourier layer of an FNO: ``gelu(spectral(x) + pointwise(x))``.
-
-    ``pointwise`` is a :class:`~pympar.modules.Linear` over the channels (FNO's 1x1
-    convolution), replicated over ``group``: its gradients are partial sums over the spatial
-    group (see :func:`split_parameters`). Lifting and projection are plain ``Linear`` layers
-    too, so an FNO is ``Sequential(Linear(c_in, w), SpectralBlock(w, ...), ..., Linear(w, c_out))``.
-
-    Parameters
-    ----------
-    channels : int
-        Width (channels in and out).
-    modes : int or sequence of int
-        Modes per spatial axis; ``len(modes)`` (or ``dims``) spatial axes.
-    group : Group, optional
-        The spatial group that splits ``x1`` (see :class:`SpectralConv`).
-    dims : int, optional
-        Spatial axes when ``modes`` is an int (default 2).
-    activation : bool, default True
-        False leaves out the GELU (FNO's last Fourier layer).
-    dtype, seed, xp, input_grad
-        As :class:`SpectralConv`; the pointwise layer gets ``seed + 1``.
-    """
-
-    def __init__(self, channels: int, modes: int | Sequence[int], group: Group | None = None,
-                 dims: int | None = None, activation: bool = True, dtype: Any = numpy.float32,
-                 seed: int = 0, xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__()
-        if isinstance(modes, (int, numpy.integer)):
-            modes = (int(modes),) * (2 if dims is None else int(dims))
-        self.spectral = SpectralConv(channels, channels, modes, group, dtype, seed, xp,
-                                     input_grad)
-        self.pointwise = Linear(channels, channels, dtype=dtype, seed=seed + 1, xp=xp,
-                                input_grad=input_grad)
-        self.act = GELU() if activation else None
-        self.input_grad = bool(input_grad)
-
-    def forward(self, x: Any) -> Any:
-        """``gelu(spectral(x) + pointwise(x))`` of a ``(batch, x1 block, ..., channels)`` field."""
-        y = self.spectral.forward(x)
-        y += self.pointwise.forward(x)
-        return y if self.act is None else self.act.forward(y)
-
-    def backward(self, dy: Any) -> Any:
-        """The input gradient (None with ``input_grad=False``); accumulates the parameters'."""
-        g = dy if self.act is None else self.act.backward(dy)
-        dx = self.spectral.backward(g)
-        dp = self.pointwise.backward(g)
-        if dx is None:
-            return None
-        dx += dp
-        return dx
