@@ -71,6 +71,8 @@ docs: install
 
 # Benchmarks against raw mpi4py (and torch when installed); the full run: benchmarks/README.md.
 bench: install
+	$(PY) -m pip install -q -e ".[bench]" || echo "mpi4py-fft did not install (it needs \
+	libfftw3-dev): bench_fft.py runs without its anchors"
 	$(PY) -m pympar bench --quick --out out/bench
 
 clean:

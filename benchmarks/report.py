@@ -2,12 +2,13 @@
 
 ``write_report(folder)`` reads whichever of ``mappings.json``, ``torch_comm.json``,
 ``mlp.json``, ``comm_volume_8.json``, ``comm_volume_27.json``, ``memory.json``,
-``attention.json``, ``checkpoint.json``, ``halo.json`` and ``runs.json`` exist in ``folder`` (a missing
-one is skipped) and writes ``results.md`` plus ``mappings.png``, ``torch_comm.png``,
+``attention.json``, ``checkpoint.json``, ``fft_{1,2,4}.json``, ``halo.json`` and ``runs.json`` exist in
+``folder`` (a missing one is skipped) and writes ``results.md`` plus ``mappings.png``, ``torch_comm.png``,
 ``mlp.png``, ``comm_volume.png``, ``attention_memory.png`` and ``checkpoint.png`` there
 (plots only when matplotlib is installed). The section of the mappings job is in
 :mod:`benchmarks.report_mappings`; those of the memory, attention and checkpoint jobs are in
-:mod:`benchmarks.report_features`; the halo job's is in :mod:`benchmarks.report_halo`.
+:mod:`benchmarks.report_features`, that of the FFT jobs in :mod:`benchmarks.report_fft`, the halo job's in
+:mod:`benchmarks.report_halo`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import report_features, report_halo, report_mappings  # noqa: E402
+from benchmarks import report_features, report_fft, report_halo, report_mappings  # noqa: E402
 from benchmarks.report_format import load as _load  # noqa: E402
 from benchmarks.report_format import show_size  # noqa: E402
 from benchmarks.report_format import table as _table  # noqa: E402
@@ -351,6 +352,8 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
         lines += report_features.section_attention(attention)
     if checkpoint:
         lines += report_features.section_checkpoint(checkpoint)
+    lines += report_fft.section_fft({n: doc for n in (1, 2, 4)
+                                     if (doc := _load(folder, f"fft_{n}.json"))})
     halo = _load(folder, "halo.json")
     if halo:
         lines += report_halo.section_halo(halo)

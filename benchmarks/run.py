@@ -13,6 +13,7 @@ comm_volume_27.json 27     the same on a cube of depth 3 (full run only, oversub
 memory.json         2      bench_memory.py: bytes per rank with ZeRO/bf16/recompute, ZeRO step
 attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memory, zig-zag
 checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
+fft_1/2/4.json      1/2/4  bench_fft.py: FFT round trip vs mpi4py-fft, bytes, FNO layer
 halo.json           2      bench_halo.py: HaloExchange vs raw mpi4py Sendrecv of the same faces
 ==================  =====  =======================================================
 
@@ -80,6 +81,8 @@ def plan(quick: bool) -> list[Job]:
             Job("attention", "bench_attention.py", 4, "attention.json",
                 ["--seq", "512", "--repeats", "3"], 300),
             Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json", ["--quick"], 300),
+            *_fft_jobs(["--shapes", "32x32x32,33x30x17", "--repeats", "3", "--warmup", "1",
+                        "--fno", "2x32x32x8x6"], 300),
             Job("halo", "bench_halo.py", 2, "halo.json",
                 ["--shapes", "256x256,64x64x64", "--repeats", "5", "--warmup", "1"], 300),
         ]
@@ -102,10 +105,17 @@ def plan(quick: bool) -> list[Job]:
             ["--seq", "4096", "--repeats", "7"], 900),
         Job("checkpoint", "bench_checkpoint.py", 4, "checkpoint.json",
             ["--size", "1GiB", "--repeats", "5"], 1800),
+        *_fft_jobs(["--shapes", "128x128x128,256x256x256", "--repeats", "7", "--warmup", "2",
+                    "--fno", "4x128x128x32x16"], 1800),
         Job("halo", "bench_halo.py", 2, "halo.json",
             ["--shapes", "1024x1024,4096x4096,128x128x128,256x256x256", "--repeats", "11",
              "--warmup", "2"], 900),
     ]
+
+
+def _fft_jobs(args: list[str], timeout: float) -> list[Job]:
+    """bench_fft.py on 1, 2 and 4 ranks (``fft_<ranks>.json``)."""
+    return [Job(f"fft_{n}", "bench_fft.py", n, f"fft_{n}.json", args, timeout) for n in (1, 2, 4)]
 
 
 # --------------------------------------------------------------------------- launcher

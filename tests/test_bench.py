@@ -108,7 +108,8 @@ def test_measured_bytes_per_rank_equal_the_formula(cube, shape, dtype):
 def test_plans_and_launch_command(monkeypatch):
     quick, full = run.plan(True), run.plan(False)
     assert {j.name for j in quick} == {"mappings", "torch_comm", "mlp", "comm_volume_8",
-                                         "memory", "attention", "checkpoint", "halo"}
+                                         "memory", "attention", "checkpoint",
+                                         "fft_1", "fft_2", "fft_4", "halo"}
     assert {j.name for j in full} == {j.name for j in quick} | {"comm_volume_27"}
     assert all((run.HERE / j.script).is_file() for j in full)
     # scripts/mpirun.sh exports these when the suite itself runs under Open MPI

@@ -34,6 +34,7 @@ API_PAGES = {
     "initializer_3d": "Initializer_3D_Input",
     "collectives": "all_gather",
     "mappings": "all_to_all_from_sequence_to_hidden",
+    "fft": "spectral_placement",
     "decomposition": "Decomposition",
     "halo": "HaloExchange",
     "debug": "CollectiveMismatchError",

@@ -25,6 +25,8 @@ from .blockwise import sequence_segments
 from .context_attention import ContextAttention, split_context_group
 from .recompute import Recompute
 from .stencil import HaloConv, Laplacian
+from .spectral import SpectralConv, SpectralConv1d, SpectralConv2d, SpectralConv3d
+from .fno import SpectralBlock, split_parameters
 
 __all__ = [
     "Parameter",
@@ -45,6 +47,12 @@ __all__ = [
     "Recompute",
     "Laplacian",
     "HaloConv",
+    "SpectralConv",
+    "SpectralConv1d",
+    "SpectralConv2d",
+    "SpectralConv3d",
+    "SpectralBlock",
+    "split_parameters",
     "GELU",
     "ReLU",
     "Dropout",

@@ -1,0 +1,273 @@
+"""Distributed ``rfftn``/``irfftn``/``fftn``/``ifftn``: each a forward and its exact adjoint.
+
+A field is cut over ``groups`` (one group: a slab; two: a pencil): ``axes[i]`` is split over
+``groups[i]`` by the balanced rule, the other axes are whole. The forward transforms the whole
+axes ``axes[L:]`` (``L = len(groups)``), then for ``i = L-1, ..., 0`` exchanges ``axes[i + 1]``
+for ``axes[i]`` over ``groups[i]`` (one all-to-all) and transforms ``axes[i]``. The spectrum
+stays in that transposed layout, ``axes[i + 1]`` split over ``groups[i]``
+(:func:`spectral_placement`); the inverse runs the same steps backwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .. import collectives
+from ..debug import CollectiveMismatchError
+from ..group import Group
+from ..partition import Placement, Split, balanced_sizes
+from ._local import ADJOINT_NORM, NORMS, c2c, c2r, r2c, scale_conjugate_pairs
+
+__all__ = ["FFTPair", "rfftn", "irfftn", "fftn", "ifftn", "physical_placement",
+           "spectral_placement", "spectral_shape"]
+
+Groups = "Group | Sequence[Group]"
+
+
+def _groups(groups: Any) -> tuple[Group, ...]:
+    if isinstance(groups, Group):
+        return (groups,)
+    groups = tuple(groups)
+    if not groups or not all(isinstance(g, Group) for g in groups):
+        raise TypeError(f"expected a Group or a sequence of Groups, got {groups!r}")
+    return groups
+
+
+def _axes(ndim: int, axes: Sequence[int] | None, splits: int) -> tuple[int, ...]:
+    axes = tuple(range(ndim)) if axes is None else tuple(int(a) for a in axes)
+    normal = tuple(a + ndim if a < 0 else a for a in axes)
+    if any(not 0 <= a < ndim for a in normal) or len(set(normal)) != len(normal):
+        raise ValueError(f"axes {axes} are not distinct axes of a {ndim}-d array")
+    if len(normal) <= splits:
+        raise ValueError(f"{len(normal)} transformed axes cannot be split over {splits} "
+                         f"group(s): the transpose needs one more axis than groups")
+    return normal
+
+
+def spectral_shape(shape: Sequence[int], axes: Sequence[int], real: bool) -> tuple[int, ...]:
+    """The global shape of the spectrum of a field of global ``shape`` transformed over ``axes``
+    (``real``: the last of ``axes`` keeps ``n // 2 + 1`` modes, as :func:`numpy.fft.rfftn`)."""
+    out = [int(n) for n in shape]
+    if real:
+        out[axes[-1]] = out[axes[-1]] // 2 + 1
+    return tuple(out)
+
+
+def physical_placement(shape: Sequence[int], groups: Groups,
+                       axes: Sequence[int] | None = None) -> Placement:
+    """Where this rank's block of a field of global ``shape`` lies: ``axes[i]`` split over
+    ``groups[i]``. ``placement.take(full)`` is the block the transforms take."""
+    groups = _groups(groups)
+    axes = _axes(len(shape), axes, len(groups))
+    return Placement(tuple(shape), tuple(Split.over(g, axes[i]) for i, g in enumerate(groups)))
+
+
+def spectral_placement(shape: Sequence[int], groups: Groups, axes: Sequence[int] | None = None,
+                       real: bool = False) -> Placement:
+    """Where this rank's block of the spectrum of a field of global ``shape`` lies:
+    ``axes[i + 1]`` split over ``groups[i]`` (``real``: of :func:`rfftn`'s half spectrum)."""
+    groups = _groups(groups)
+    axes = _axes(len(shape), axes, len(groups))
+    return Placement(spectral_shape(shape, axes, real),
+                     tuple(Split.over(g, axes[i + 1]) for i, g in enumerate(groups)))
+
+
+class _Call:
+    """One validated call: the groups, axes, norm and (when known) global lengths."""
+
+    def __init__(self, name: str, x: Any, groups: Any, axes: Any, norm: Any, s: Any,
+                 real: bool, spectral_input: bool) -> None:
+        self.name, self.real = name, real
+        self.groups = _groups(groups)
+        try:
+            if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+                raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, got "
+                                f"{type(x).__name__}")
+            if real and not spectral_input and x.dtype.kind != "f":
+                raise TypeError(f"{name}: expected a real floating-point field, got {x.dtype}")
+            if x.dtype.kind not in "fc":
+                raise TypeError(f"{name}: expected a floating-point or complex array, got "
+                                f"{x.dtype}")
+            if norm not in NORMS:
+                raise ValueError(f"{name}: norm must be one of {NORMS}, got {norm!r}")
+            self.norm = norm
+            self.axes = _axes(x.ndim, axes, len(self.groups))
+            self.lengths = None if s is None else tuple(int(n) for n in s)
+            if self.lengths is not None:
+                self._check_extents(x, spectral_input)
+            # The exchanges' label carries the whole axes' extents and s=, which the
+            # agreement check then compares: a real transform maps lengths 2k and 2k + 1 to
+            # one spectrum, so the exchanged shapes alone would not tell them apart.
+            splits = len(self.groups)
+            whole = self.axes[:1] + self.axes[splits + 1:] if spectral_input else \
+                self.axes[splits:]
+            self.label = (f"{name}(whole extents {tuple(x.shape[a] for a in whole)}, "
+                          f"s={self.lengths})")
+        except (TypeError, ValueError) as err:
+            self.refuse(0, err)
+            raise
+
+    def _check_extents(self, x: Any, spectral_input: bool) -> None:
+        if len(self.lengths) != len(self.axes) or min(self.lengths) < 1:
+            raise ValueError(f"{self.name}: s={self.lengths} must give one positive global "
+                             f"length per transformed axis {self.axes}")
+        lengths = list(self.lengths)
+        if spectral_input and self.real:
+            lengths[-1] = lengths[-1] // 2 + 1
+        shift = 1 if spectral_input else 0
+        for k, (axis, n) in enumerate(zip(self.axes, lengths)):
+            split = k - shift
+            group = self.groups[split] if 0 <= split < len(self.groups) else None
+            want = n if group is None else balanced_sizes(n, group.size)[group.rank]
+            if x.shape[axis] != want:
+                where = ("whole" if group is None else
+                         f"split over {group.size} ranks of group {group.name!r}, rank "
+                         f"{group.rank} holding the balanced block")
+                raise ValueError(
+                    f"{self.name}: axis {axis} of this rank's block has extent "
+                    f"{x.shape[axis]}, but with global length {n} ({where}) it should be "
+                    f"{want}; the field must be split as pympar.fft."
+                    f"{'spectral' if spectral_input else 'physical'}_placement says")
+
+    def spectral_length(self, k: int) -> int | None:
+        """The global extent of the spectrum along ``axes[k]`` (None when not known)."""
+        if self.lengths is None:
+            return None
+        n = self.lengths[k]
+        return n // 2 + 1 if self.real and k == len(self.axes) - 1 else n
+
+    def refuse(self, first: int, err: Exception) -> None:
+        """Make the ranks of the exchanges not yet made, from the ``first``-th on, raise."""
+        order = list(reversed(self.groups))
+        for group in order[first:]:
+            if group.size > 1:
+                collectives.refuse(group, self.name, err)
+
+    def exchange(self, y: Any, index: int, step: int, split: int, concat: int,
+                 extent: int | None) -> Any:
+        """The all-to-all over ``groups[index]`` (the ``step``-th exchange of the call)."""
+        group = self.groups[index]
+        if group.size == 1:
+            return y
+        sizes = None if extent is None else balanced_sizes(extent, group.size)
+        try:
+            return collectives.all_to_all(group, y, split, concat, None, sizes, self.label)
+        except (TypeError, ValueError, CollectiveMismatchError) as err:
+            self.refuse(step + 1, err)
+            raise
+
+
+def _splits(call: _Call) -> int:
+    """How many axes are split: none when every group has one rank (then one local call
+    transforms every axis, instead of one call per stage)."""
+    return len(call.groups) if any(g.size > 1 for g in call.groups) else 0
+
+
+def _to_spectral(call: _Call, x: Any, double_pairs: bool = False) -> Any:
+    axes, norm, splits = call.axes, call.norm, _splits(call)
+    whole = axes[splits:]
+    if call.real:
+        y = r2c(x, whole, norm)
+        if double_pairs:  # the adjoint of irfftn along the real axis (whole here)
+            scale_conjugate_pairs(y, axes[-1], x.shape[axes[-1]], 2.0)
+    else:
+        y = c2c(x, whole, norm, inverse=False)
+    for step, i in enumerate(reversed(range(splits))):
+        y = call.exchange(y, i, step, axes[i + 1], axes[i],
+                          None if call.lengths is None else call.lengths[i])
+        y = c2c(y, (axes[i],), norm, inverse=False, overwrite=True)  # y is ours
+    return y
+
+
+def _to_physical(call: _Call, y: Any, halve_pairs: bool = False) -> Any:
+    axes, norm, splits = call.axes, call.norm, _splits(call)
+    for i in range(splits):
+        y = c2c(y, (axes[i],), norm, inverse=True, overwrite=i > 0)  # the input is the caller's
+        y = call.exchange(y, i, splits - 1 - i, axes[i], axes[i + 1], call.spectral_length(i + 1))
+    whole = axes[splits:]
+    if not call.real:
+        return c2c(y, whole, norm, inverse=True, overwrite=splits > 0)
+    n = call.lengths[-1] if call.lengths is not None else 2 * (y.shape[axes[-1]] - 1)
+    if halve_pairs:  # the adjoint of rfftn along the real axis (whole here)
+        y = y.copy() if splits == 0 else y
+        scale_conjugate_pairs(y, axes[-1], n, 0.5)
+    return c2r(y, whole, [y.shape[a] for a in whole[:-1]] + [n], norm,
+               overwrite=splits > 0 or halve_pairs)
+
+
+class FFTPair:
+    """A distributed FFT (``__call__``) and its exact adjoint (:meth:`backward`).
+
+    ``<F(x), y> == <x, F.backward(y)>`` with the real inner product ``Re(vdot(a, b))``
+    summed over ranks (real fields and half spectra are real vector spaces).
+
+    Parameters
+    ----------
+    name : str
+        ``"rfftn"``, ``"irfftn"``, ``"fftn"`` or ``"ifftn"``.
+    real : bool
+        Whether the physical field is real (half spectrum along the last transformed axis).
+    inverse : bool
+        Whether ``__call__`` goes from the spectrum to the field.
+    """
+
+    def __init__(self, name: str, real: bool, inverse: bool) -> None:
+        self.name, self.real, self.inverse = name, real, inverse
+
+    def __repr__(self) -> str:
+        return f"pympar.fft.{self.name}"
+
+    def __call__(self, x: Any, groups: Groups, axes: Sequence[int] | None = None,
+                 norm: str | None = None, s: Sequence[int] | None = None) -> Any:
+        """Transform ``x``, this rank's block (see the module docstring for the layouts).
+
+        Parameters
+        ----------
+        x : numpy.ndarray or cupy.ndarray
+            This rank's block: of the field (``rfftn``/``fftn``, split as
+            :func:`physical_placement` says) or of its spectrum (``irfftn``/``ifftn``, split
+            as :func:`spectral_placement` says).
+        groups : Group or sequence of Group
+            ``groups[i]`` splits ``axes[i]`` of the field; one group is a slab, two a pencil.
+        axes : sequence of int, optional
+            Transformed axes (default all), more of them than groups.
+        norm : {None, "backward", "ortho", "forward"}
+            As NumPy's.
+        s : sequence of int, optional
+            The field's global lengths along ``axes``; checked against every rank's block.
+            For ``irfftn`` it gives the real length of the last axis (default even, as
+            NumPy's). Without it the ranks' extents are learned in the exchange.
+
+        Returns
+        -------
+        array
+            This rank's block of the result, a new array of ``x``'s library.
+        """
+        call = _Call(self.name + ".forward", x, groups, axes, norm, s, self.real, self.inverse)
+        return _to_physical(call, x) if self.inverse else _to_spectral(call, x)
+
+    def backward(self, dy: Any, groups: Groups, axes: Sequence[int] | None = None,
+                 norm: str | None = None, s: Sequence[int] | None = None) -> Any:
+        """The adjoint of :meth:`__call__` with the same arguments, applied to ``dy``
+        (the gradient of a loss with respect to the output: the result is that with respect
+        to the input). ``s`` as in :meth:`__call__`; ``rfftn.backward`` needs it for an odd
+        last length."""
+        call = _Call(self.name + ".backward", dy, groups, axes, norm, s, self.real,
+                     not self.inverse)
+        call.norm = ADJOINT_NORM[call.norm]
+        if self.inverse:
+            return _to_spectral(call, dy, double_pairs=self.real)
+        return _to_physical(call, dy, halve_pairs=self.real)
+
+
+rfftn = FFTPair("rfftn", real=True, inverse=False)
+irfftn = FFTPair("irfftn", real=True, inverse=True)
+fftn = FFTPair("fftn", real=False, inverse=False)
+ifftn = FFTPair("ifftn", real=False, inverse=True)
+
+for _pair, _what in ((rfftn, "real field to half spectrum (r2c)"),
+                     (irfftn, "half spectrum to real field (c2r)"),
+                     (fftn, "complex field to spectrum"), (ifftn, "spectrum to complex field")):
+    _pair.__doc__ = (f"Distributed :func:`numpy.fft.{_pair.name}`, {_what}; "
+                     f"``{_pair.name}.backward`` is its adjoint. See :class:`FFTPair`.")
+del _pair, _what
