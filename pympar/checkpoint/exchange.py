@@ -1,4 +1,4 @@
-"""Two-phase writes: ranks trade their blocks for row slabs, then each writes one range.
+"""Two-phase I/O: ranks trade their blocks for row slabs, each writing or reading one range.
 
 A block split along a trailing axis (a Row-parallel weight, a 3D block) lies in its C-order
 file as one short run per row: thousands of small writes per rank, and pages that two ranks
@@ -9,25 +9,30 @@ of the first axis, one staging buffer-full per round), and then write that slab 
 both sides, so MPI reads the blocks where they lie and nothing is packed in Python. The
 slab is the staging buffer, so the memory bound of a save does not change.
 
-Every rank decides alike from one all-gather of every rank's write box (:func:`plan`); a
+A load runs the same rounds the other way (:func:`read_slabs`): each rank reads its slab of
+rows with one ``os.preadv`` (hashing it as it arrives), and one ``Alltoallw`` per round
+delivers every rank its block, replicas included, straight into its array. So every byte of
+the file is read once, by one rank, whatever the layout.
+
+Every rank decides alike from one all-gather of every rank's box (:func:`plan`); a
 tensor whose blocks cannot be described this way (several pieces, as fused ``stride > 1``
 weights have; CuPy arrays; a byte order other than the stored one) keeps the direct writes
-of :func:`~pympar.checkpoint.files.write_box`.
+of :func:`~pympar.checkpoint.files.write_box` and reads of
+:func:`~pympar.checkpoint.files.read_box`.
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from mpi4py import MPI
 
 from ..partition import block_slice
-from .files import Buffer, adler_part, pwrite_all, start_writeback
+from .files import Buffer, pwrite_all, read_range, start_writeback
 
-__all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs"]
+__all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs", "read_slabs"]
 
 #: Blocks whose file runs are shorter than this are exchanged instead of written in place.
 SHORT_RUN_BYTES = 1 * 2**20
@@ -113,69 +118,109 @@ def _overlap(box: Box, lo: int, hi: int) -> Box | None:
     return (slice(a, b),) + tuple(box[1:])
 
 
-def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
-                buffer: Buffer, sums: np.ndarray, checksums: Executor) -> BaseException | None:
-    """Exchange tensor ``t``'s blocks for row slabs and write this rank's slabs; collective.
+def _rounds(comm: MPI.Intracomm, t: Any, boxes: list,
+            buffer: Buffer) -> Iterator[tuple[int, int, np.ndarray, list, list, list]]:
+    """The exchange rounds of tensor ``t``: ``(lo, hi, slab, block_types, slab_types,
+    counts)`` per round, this rank's rows ``[lo, hi)`` in ``slab`` (a view of the buffer).
 
-    ``boxes`` is :func:`plan`'s entry for ``t``; ``fd`` the open file (None when this rank
-    has no rows to write). Each round moves at most a buffer-full of rows into ``buffer``.
-    The Adler-32 contributions of the written slabs go to ``sums``. A failed write does not
-    stop this rank's part in the exchange (the others would wait): the first error is
-    returned, to be agreed on afterwards.
+    ``block_types[q]`` picks, in this rank's array, its part of rank ``q``'s rows;
+    ``slab_types[q]`` picks, in the slab, rank ``q``'s part of this rank's rows; ``counts``
+    (block side, slab side) say which are not empty. The datatypes are freed after the
+    round.
     """
     shape, itemsize = t.placement.shape, t.stored.itemsize
     size, rank = comm.Get_size(), comm.Get_rank()
     row_bytes = math.prod(shape[1:]) * itemsize
-    total = math.prod(shape) * itemsize
     rows_per_round = max(buffer.nbytes // max(row_bytes, 1), 1)  # plan(): a row fits
     domains = [block_slice(shape[0], size, q) for q in range(size)]
     rounds = max(math.ceil((d.stop - d.start) / rows_per_round) for d in domains)
     base = MPI.BYTE.Create_contiguous(itemsize).Commit()
     mine, my_starts = boxes[rank]
     local_shape = tuple(t.array.shape)
-    error: BaseException | None = None
     try:
         for k in range(rounds):
             chunks = [(d.start + k * rows_per_round,
                        min(d.stop, d.start + (k + 1) * rows_per_round)) for d in domains]
             lo, hi = chunks[rank]
             slab = buffer.view((max(hi - lo, 0),) + tuple(shape[1:]), t.stored)
-            send_types, recv_types, made = [], [], []
+            block_types, slab_types, made = [], [], []
             for q in range(size):
                 part = _overlap(mine, *chunks[q])
                 if part is None:
-                    send_types.append(base)
+                    block_types.append(base)
                 else:
                     starts = [o + s.start - m.start for o, s, m in zip(my_starts, part, mine)]
-                    send_types.append(_subarray(base, local_shape, part, starts))
-                    made.append(send_types[-1])
+                    block_types.append(_subarray(base, local_shape, part, starts))
+                    made.append(block_types[-1])
                 theirs = _overlap(boxes[q][0], lo, hi)
                 if theirs is None:
-                    recv_types.append(base)
+                    slab_types.append(base)
                 else:
                     starts = [theirs[0].start - lo] + [s.start for s in theirs[1:]]
-                    recv_types.append(_subarray(base, slab.shape, theirs, starts))
-                    made.append(recv_types[-1])
-            counts_s = [int(ty is not base) for ty in send_types]
-            counts_r = [int(ty is not base) for ty in recv_types]
-            zeros = [0] * size
+                    slab_types.append(_subarray(base, slab.shape, theirs, starts))
+                    made.append(slab_types[-1])
+            counts = ([int(ty is not base) for ty in block_types],
+                      [int(ty is not base) for ty in slab_types])
             try:
-                comm.Alltoallw([t.array, (counts_s, zeros), send_types],
-                               [slab, (counts_r, zeros), recv_types])
+                yield lo, hi, slab, block_types, slab_types, counts
             finally:
                 for ty in made:
                     ty.Free()
-            if hi > lo and fd is not None and error is None:
-                try:
-                    flat = memoryview(slab).cast("B")
-                    future = checksums.submit(adler_part, flat, lo * row_bytes, total)
-                    pwrite_all(fd, flat, data_offset + lo * row_bytes)
-                    start_writeback(fd, data_offset + lo * row_bytes, len(flat))
-                    a, b = future.result()
-                    sums[0] += a
-                    sums[1] += b
-                except Exception as err:  # noqa: BLE001 - reported after the exchange
-                    error = err
     finally:
         base.Free()
+
+
+def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
+                buffer: Buffer, tally: Any, feeder: Any) -> BaseException | None:
+    """Exchange tensor ``t``'s blocks for row slabs and write this rank's slabs; collective.
+
+    ``boxes`` is :func:`plan`'s entry for ``t``; ``fd`` the open file (None when this rank
+    has no rows to write). Each round moves at most a buffer-full of rows into ``buffer``.
+    The written slabs are fed to ``tally`` (hashed while the slab is written). A failed
+    write does not stop this rank's part in the exchange (the others would wait): the first
+    error is returned, to be agreed on afterwards.
+    """
+    row_bytes = math.prod(t.placement.shape[1:]) * t.stored.itemsize
+    zeros = [0] * comm.Get_size()
+    error: BaseException | None = None
+    for lo, hi, slab, block_types, slab_types, counts in _rounds(comm, t, boxes, buffer):
+        feeder.wait()  # the slab is refilled: the hash of the last one must be done
+        comm.Alltoallw([t.array, (counts[0], zeros), block_types],
+                       [slab, (counts[1], zeros), slab_types])
+        if hi > lo and fd is not None and error is None:
+            try:
+                flat = memoryview(slab).cast("B")
+                feeder.feed(tally, lo * row_bytes, flat)
+                pwrite_all(fd, flat, data_offset + lo * row_bytes)
+                start_writeback(fd, data_offset + lo * row_bytes, len(flat))
+            except Exception as err:  # noqa: BLE001 - reported after the exchange
+                error = err
+    return error
+
+
+def read_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
+               buffer: Buffer, tally: Any, feeder: Any) -> BaseException | None:
+    """Read this rank's row slabs of tensor ``t`` and trade them for every rank's block;
+    collective.
+
+    The mirror of :func:`write_slabs`: ``boxes`` are the ranks' blocks (replicas each get
+    theirs), ``fd`` the open file (None when it could not be opened). Each slab is fed to
+    ``tally`` as it is read. A failed read does not stop this rank's part in the exchange:
+    the first error is returned, to be agreed on afterwards.
+    """
+    row_bytes = math.prod(t.placement.shape[1:]) * t.stored.itemsize
+    zeros = [0] * comm.Get_size()
+    error: BaseException | None = None
+    for lo, hi, slab, block_types, slab_types, counts in _rounds(comm, t, boxes, buffer):
+        feeder.wait()  # the slab is refilled: the hash of the last one must be done
+        if hi > lo and error is None:
+            try:
+                if fd is None:
+                    raise OSError("the file is not open")
+                read_range(fd, data_offset, lo * row_bytes, memoryview(slab).cast("B"), tally,
+                           feeder)
+            except Exception as err:  # noqa: BLE001 - reported after the exchange
+                error = err
+        comm.Alltoallw([slab, (counts[1], zeros), slab_types],
+                       [t.array, (counts[0], zeros), block_types])
     return error
