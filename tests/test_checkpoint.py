@@ -77,10 +77,10 @@ def layout():
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """Chunks of 40 bytes and reads of 64: every file has many chunks, and chunks and read
+    """Chunks of 40 bytes and pieces of 64: every file has many chunks, and chunks and
     pieces begin and end inside the ranks' ranges (their tails are read back)."""
     monkeypatch.setattr(saving, "CHUNK_BYTES", 40)
-    monkeypatch.setattr(files, "READ_BYTES", 64)
+    monkeypatch.setattr(files, "PIECE_BYTES", 64)
 
 
 @pytest.fixture
@@ -165,11 +165,11 @@ def test_replicas_split_the_bytes(state, shared_dir, monkeypatch):
     written = {}
     real = saving.write_box
 
-    def counting(fd, offset, shape, box, src, dtype, buffer, tally, feeder):
+    def counting(fd, offset, shape, box, src, dtype, buffer, tally):
         name = os.readlink(f"/proc/self/fd/{fd}")
         size = int(np.prod([s.stop - s.start for s in box])) * dtype.itemsize
         written[os.path.basename(name)] = written.get(os.path.basename(name), 0) + size
-        return real(fd, offset, shape, box, src, dtype, buffer, tally, feeder)
+        return real(fd, offset, shape, box, src, dtype, buffer, tally)
 
     monkeypatch.setattr(saving, "write_box", counting)
     model = Model(full_arrays(), placements(state, "serial"))  # every tensor fully replicated
@@ -186,7 +186,7 @@ def test_extra_memory_is_bounded(state, shared_dir, monkeypatch):
     """Peak traced allocations of a save/load stay under one shard + the staging buffer."""
     monkeypatch.setattr(api, "BUFFER_BYTES", 64 * 1024)
     monkeypatch.setattr(saving, "CHUNK_BYTES", checkpoint.format.CHUNK_BYTES)  # as shipped
-    monkeypatch.setattr(files, "READ_BYTES", 2**20)
+    monkeypatch.setattr(files, "PIECE_BYTES", 256 * 1024)
     shape = (256, 64 * WORLD.size)
     place = Placement(shape, (Split(1, WORLD.size, WORLD.rank),))  # column blocks: strided
     big = Parameter(np.random.default_rng(WORLD.rank).standard_normal(place.local_shape),
@@ -218,7 +218,7 @@ def test_zero_state_is_saved_and_loaded_without_gathering(state, shared_dir, mon
     memory stays under one share + the staging buffer (a gathered moment would be d shares)."""
     monkeypatch.setattr(api, "BUFFER_BYTES", 64 * 1024)
     monkeypatch.setattr(saving, "CHUNK_BYTES", checkpoint.format.CHUNK_BYTES)  # as shipped
-    monkeypatch.setattr(files, "READ_BYTES", 2**20)
+    monkeypatch.setattr(files, "PIECE_BYTES", 256 * 1024)
     world = Group(MPI.COMM_WORLD, "world", range(WORLD.size), owns_comm=False)
     model = Module()
     model.big = Parameter(np.random.default_rng(0).standard_normal((512, 64)))
@@ -364,14 +364,14 @@ def test_trailing_axis_blocks_are_traded_for_row_slabs(state, shared_dir, monkey
 def test_a_failed_write_during_the_exchange_fails_every_rank(state, shared_dir, monkeypatch):
     if WORLD.size == 1:
         pytest.skip("the exchange needs more than one rank")
-    real = exchange.pwrite_all
+    real = files.pwrite_all
 
     def full_disk(fd, data, offset):
         if WORLD.rank == WORLD.size - 1:
             raise OSError(28, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(exchange, "pwrite_all", full_disk)
+    monkeypatch.setattr(files, "pwrite_all", full_disk)  # the exchange writes through it
     model = Module()
     place = Placement((8, 30), (Split(1, WORLD.size, WORLD.rank),))
     model.w = Parameter(place.take(np.ones((8, 30))), placement=place)

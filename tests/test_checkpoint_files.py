@@ -2,7 +2,7 @@
 
 The boxes of a full array are written in small buffer-fulls, straight from the array
 (contiguous row blocks), through the buffer (column blocks, byte-swapped or Fortran-ordered
-sources), hashed on a helper thread or inline, and read back the same ways. The file must
+sources), and read back the same ways. The file must
 equal the array's bytes, and the chunk digests ``xxhash.xxh3_64`` of them (or the assembled
 Adler-32, ``zlib.adler32``), whatever the order of the boxes and however the pieces fall
 across chunk boundaries.
@@ -19,7 +19,7 @@ import pytest
 import xxhash
 
 from pympar.checkpoint import files
-from pympar.checkpoint.checksums import AdlerSums, Chunks, Feeder, adler_total
+from pympar.checkpoint.checksums import AdlerSums, Chunks, adler_total
 from pympar.checkpoint.files import Buffer, file_reader, read_box, write_box
 from pympar.partition import block_slice
 
@@ -44,8 +44,8 @@ def expected_digests(data):
 
 @pytest.mark.parametrize("kind", ["rows", "cols"])
 @pytest.mark.parametrize("source", ["c", "fortran", "swapped"])
-@pytest.mark.parametrize("threaded", [False, True])
-def test_write_box_bytes_and_checksum(kind, source, threaded):
+def test_write_box_bytes_and_checksum(kind, source, monkeypatch):
+    monkeypatch.setattr(files, "PIECE_BYTES", 40)  # contiguous writes in pieces across chunks
     full = np.random.default_rng(3).standard_normal(SHAPE).astype("<f8")
     stored = np.dtype("<f8")
     buffer = Buffer(5 * SHAPE[1] * 8)  # a few rows per chunk: many chunks per box
@@ -58,13 +58,12 @@ def test_write_box_bytes_and_checksum(kind, source, threaded):
         fd = os.open(path, os.O_CREAT | os.O_RDWR)
         try:
             os.ftruncate(fd, 3 + full.nbytes)  # 3 bytes of "header": odd data offsets
-            with Feeder(threaded) as feeder:
-                for box, tally in zip(boxes(kind), tallies):
-                    block = full[box]
-                    src = {"c": np.ascontiguousarray(block), "fortran": np.asfortranarray(block),
-                           "swapped": block.astype(">f8")}[source]
-                    write_box(fd, 3, SHAPE, box, src, stored, buffer, tally, feeder)
-                    write_box(fd, 3, SHAPE, box, src, stored, buffer, adler, feeder)
+            for box, tally in zip(boxes(kind), tallies):
+                block = full[box]
+                src = {"c": np.ascontiguousarray(block), "fortran": np.asfortranarray(block),
+                       "swapped": block.astype(">f8")}[source]
+                write_box(fd, 3, SHAPE, box, src, stored, buffer, tally)
+                write_box(fd, 3, SHAPE, box, src, stored, buffer, adler)
             for tally in tallies:
                 tally.finish(file_reader(fd, 3, buffer))
             data = os.pread(fd, full.nbytes + 16, 3)
@@ -81,9 +80,8 @@ def test_write_box_bytes_and_checksum(kind, source, threaded):
 
 @pytest.mark.parametrize("kind", ["rows", "cols"])
 @pytest.mark.parametrize("target", ["c", "fortran", "swapped"])
-@pytest.mark.parametrize("threaded", [False, True])
-def test_read_box_values_and_checksum(kind, target, threaded, monkeypatch):
-    monkeypatch.setattr(files, "READ_BYTES", 40)  # contiguous reads in pieces across chunks
+def test_read_box_values_and_checksum(kind, target, monkeypatch):
+    monkeypatch.setattr(files, "PIECE_BYTES", 40)  # contiguous reads in pieces across chunks
     full = np.random.default_rng(4).standard_normal(SHAPE).astype("<f8")
     stored = np.dtype("<f8")
     buffer = Buffer(3 * SHAPE[1] * 8)
@@ -94,15 +92,13 @@ def test_read_box_values_and_checksum(kind, target, threaded, monkeypatch):
             f.write(b"abc" + full.tobytes())
         fd = os.open(path, os.O_RDONLY)
         try:
-            with Feeder(threaded) as feeder:
-                for box, tally in zip(boxes(kind), tallies):
-                    shape = tuple(s.stop - s.start for s in box)
-                    dst = {"c": np.zeros(shape), "fortran": np.zeros(shape, order="F"),
-                           "swapped": np.zeros(shape, dtype=">f8")}[target]
-                    read_box(fd, 3, SHAPE, box, dst, stored, buffer, tally, feeder)
-                    feeder.wait()
-                    tally.finish(file_reader(fd, 3, buffer))
-                    assert np.array_equal(dst, full[box])
+            for box, tally in zip(boxes(kind), tallies):
+                shape = tuple(s.stop - s.start for s in box)
+                dst = {"c": np.zeros(shape), "fortran": np.zeros(shape, order="F"),
+                       "swapped": np.zeros(shape, dtype=">f8")}[target]
+                read_box(fd, 3, SHAPE, box, dst, stored, buffer, tally)
+                tally.finish(file_reader(fd, 3, buffer))
+                assert np.array_equal(dst, full[box])
         finally:
             os.close(fd)
     got = {}

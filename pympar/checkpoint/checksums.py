@@ -21,7 +21,6 @@ a load: what each rank is assigned of what it reads), and a collective step comp
 from __future__ import annotations
 
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -30,13 +29,10 @@ from mpi4py import MPI
 
 from .format import CHUNK_BYTES, CheckpointError, chunk_count
 
-__all__ = ["ADLER_MOD", "Chunks", "AdlerSums", "Feeder", "adler_part", "adler_total",
-           "gather_digests", "verdict"]
+__all__ = ["ADLER_MOD", "Chunks", "AdlerSums", "adler_part", "adler_total", "gather_digests",
+           "verdict"]
 
 ADLER_MOD = 65521
-#: Calls a :class:`Feeder` lets queue before the next one waits (the hashes stay close behind
-#: the reads, on data still in the cache).
-_BEHIND = 4
 
 
 class Chunks:
@@ -127,48 +123,6 @@ def adler_total(parts: np.ndarray, total: int) -> int:
     a = (1 + int(parts[0])) % ADLER_MOD
     b = (total + int(parts[1])) % ADLER_MOD
     return (b << 16) | a
-
-
-class Feeder:
-    """Runs ``tally.feed`` calls in order, on one helper thread (xxhash, zlib and the
-    positioned reads and writes release the GIL) or inline; use as a context manager.
-
-    The caller waits (:meth:`wait`) before it reuses memory whose feed may still run.
-    """
-
-    def __init__(self, threaded: bool = True) -> None:
-        self._pool = ThreadPoolExecutor(1) if threaded else None
-        self._pending: list[Future] = []
-
-    def feed(self, tally: Any, offset: int, data: memoryview) -> None:
-        """``tally.feed(offset, data)``, in order with every earlier call."""
-        self.run(tally.feed, offset, data)
-
-    def run(self, func: Callable[..., Any], *args: Any) -> None:
-        """``func(*args)``, in order with every earlier call."""
-        if self._pool is None:
-            func(*args)
-            return
-        while self._pending and (self._pending[0].done() or len(self._pending) >= _BEHIND):
-            self._pending.pop(0).result()  # an error surfaces at the next call
-        self._pending.append(self._pool.submit(func, *args))
-
-    def wait(self) -> None:
-        """Return once every feed so far has run (raising its error, if any)."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-
-    def __enter__(self) -> "Feeder":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            if exc[0] is None:
-                self.wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
 
 
 def _chunk_offsets(tallies: list[Chunks]) -> np.ndarray:

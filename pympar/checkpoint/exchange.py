@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..partition import block_slice
-from .files import Buffer, pwrite_all, read_range, start_writeback
+from .files import Buffer, read_range, start_writeback, write_range
 
 __all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs", "read_slabs"]
 
@@ -171,12 +171,12 @@ def _rounds(comm: MPI.Intracomm, t: Any, boxes: list,
 
 
 def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
-                buffer: Buffer, tally: Any, feeder: Any) -> BaseException | None:
+                buffer: Buffer, tally: Any) -> BaseException | None:
     """Exchange tensor ``t``'s blocks for row slabs and write this rank's slabs; collective.
 
     ``boxes`` is :func:`plan`'s entry for ``t``; ``fd`` the open file (None when this rank
     has no rows to write). Each round moves at most a buffer-full of rows into ``buffer``.
-    The written slabs are fed to ``tally`` (hashed while the slab is written). A failed
+    The written slabs are fed to ``tally`` (each piece hashed right before it is written). A failed
     write does not stop this rank's part in the exchange (the others would wait): the first
     error is returned, to be agreed on afterwards.
     """
@@ -184,14 +184,12 @@ def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, b
     zeros = [0] * comm.Get_size()
     error: BaseException | None = None
     for lo, hi, slab, block_types, slab_types, counts in _rounds(comm, t, boxes, buffer):
-        feeder.wait()  # the slab is refilled: the hash of the last one must be done
         comm.Alltoallw([t.array, (counts[0], zeros), block_types],
                        [slab, (counts[1], zeros), slab_types])
         if hi > lo and fd is not None and error is None:
             try:
                 flat = memoryview(slab).cast("B")
-                feeder.feed(tally, lo * row_bytes, flat)
-                pwrite_all(fd, flat, data_offset + lo * row_bytes)
+                write_range(fd, data_offset, lo * row_bytes, flat, tally)
                 start_writeback(fd, data_offset + lo * row_bytes, len(flat))
             except Exception as err:  # noqa: BLE001 - reported after the exchange
                 error = err
@@ -199,7 +197,7 @@ def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, b
 
 
 def read_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
-               buffer: Buffer, tally: Any, feeder: Any) -> BaseException | None:
+               buffer: Buffer, tally: Any) -> BaseException | None:
     """Read this rank's row slabs of tensor ``t`` and trade them for every rank's block;
     collective.
 
@@ -212,13 +210,11 @@ def read_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, bo
     zeros = [0] * comm.Get_size()
     error: BaseException | None = None
     for lo, hi, slab, block_types, slab_types, counts in _rounds(comm, t, boxes, buffer):
-        feeder.wait()  # the slab is refilled: the hash of the last one must be done
         if hi > lo and error is None:
             try:
                 if fd is None:
                     raise OSError("the file is not open")
-                read_range(fd, data_offset, lo * row_bytes, memoryview(slab).cast("B"), tally,
-                           feeder)
+                read_range(fd, data_offset, lo * row_bytes, memoryview(slab).cast("B"), tally)
             except Exception as err:  # noqa: BLE001 - reported after the exchange
                 error = err
         comm.Alltoallw([slab, (counts[1], zeros), slab_types],

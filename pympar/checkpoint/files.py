@@ -7,10 +7,11 @@ or straight from/into the caller's array when that chunk is already contiguous h
 of the stored dtype, so a save or load needs at most one buffer (or one slab of the first
 axis, if larger) beyond the arrays themselves.
 
-Every byte written or read can be fed to a checksum tally
-(:mod:`pympar.checkpoint.checksums`) while it is still in the CPU's cache, through a
-:class:`~pympar.checkpoint.checksums.Feeder` (a helper thread, or inline): the data are never
-read a second time to be verified.
+Every byte written or read is fed to a checksum tally (:mod:`pympar.checkpoint.checksums`)
+in pieces of :data:`PIECE_BYTES`, each hashed right before it is written or right after it
+is read, while it is in the CPU's cache: the data are never read a second time to be
+verified. (A helper thread for the hashes measured slower: with every core busy reading,
+it only adds hand-offs of the GIL.)
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ import numpy as np
 from ..backend import is_cupy_array
 from ..partition import block_slice
 
-__all__ = ["Buffer", "box_runs", "replica_share", "write_box", "read_box", "read_range",
+__all__ = ["Buffer", "box_runs", "replica_share", "write_box", "write_range", "read_box",
+           "read_range",
            "file_reader", "pwrite_all", "pread_all", "start_writeback"]
 
 #: Runs shorter than this many bytes are read as one span per chunk.
 SHORT_RUN = 64 * 1024
-#: A contiguous range is read in pieces of this many bytes (aligned in the file's data), so
-#: that each piece is still in the cache when it is hashed.
-READ_BYTES = 2**20
+#: Data are hashed and written, or read and hashed, in pieces of this many bytes (aligned in
+#: the file's data): a piece is still in the core's cache when it is hashed.
+PIECE_BYTES = 256 * 1024
 Box = tuple  # tuple of slices over the full shape
 
 
@@ -129,16 +131,15 @@ def _chunks(box: Box, extents: list[int], itemsize: int, buffer: Buffer,
 
 
 def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: Any,
-              dtype: np.dtype, buffer: Buffer, tally: Any, feeder: Any) -> None:
+              dtype: np.dtype, buffer: Buffer, tally: Any) -> None:
     """Write ``src`` (the box's values, any layout, NumPy or CuPy) into its runs of the file.
 
     ``dtype`` is the stored dtype (``src`` must already have its kind, e.g. bfloat16 viewed
-    as uint16; only the byte order may differ); every written run is fed to ``tally``
-    through ``feeder`` (:class:`~pympar.checkpoint.checksums.Feeder`), which hashes a chunk
-    while the next is written. Chunks that are C-contiguous host memory of ``dtype`` are
-    written straight from ``src``, others through the buffer (refilled only once its hash is
-    done). A contiguous chunk's write-back to the disk is started as soon as it is written,
-    so the disk works while later chunks are copied.
+    as uint16; only the byte order may differ); every written byte is fed to ``tally``
+    (:func:`write_range`). Chunks that are C-contiguous host memory of ``dtype`` are written
+    straight from ``src``, others through the buffer. A contiguous chunk's write-back to the
+    disk is started as soon as it is written, so the disk works while later chunks are
+    copied.
     """
     extents = [s.stop - s.start for s in box]
     for r0, r1, sub in _chunks(box, extents, dtype.itemsize, buffer):
@@ -146,16 +147,24 @@ def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: 
         if not len(starts):
             continue
         part = src[r0:r1] if extents else src
-        if not _is_direct(part, dtype):
-            feeder.wait()
         flat = memoryview(_host_chunk(part, buffer, dtype)).cast("B")
         nbytes = length * dtype.itemsize
         offsets = (starts * dtype.itemsize).tolist()
-        feeder.run(_feed_runs, tally, flat, offsets, nbytes, None)
         for k, offset in enumerate(offsets):
-            pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
+            write_range(fd, data_offset, offset, flat[k * nbytes:(k + 1) * nbytes], tally)
         if len(offsets) == 1:  # a span with gaps holds other ranks' runs: its pages, written
             start_writeback(fd, data_offset + offsets[0], nbytes)  # back now, would go twice
+
+
+def write_range(fd: int, data_offset: int, start: int, data: memoryview, tally: Any) -> None:
+    """Write ``data`` at data byte ``start``, in pieces of :data:`PIECE_BYTES` (aligned in
+    the data), each fed to ``tally`` first."""
+    pos, n = 0, len(data)
+    while pos < n:
+        stop = min(n, ((start + pos) // PIECE_BYTES + 1) * PIECE_BYTES - start)
+        tally.feed(start + pos, data[pos:stop])
+        pwrite_all(fd, data[pos:stop], data_offset + start + pos)
+        pos = stop
 
 
 def _feed_runs(tally: Any, flat: memoryview, offsets: list[int], nbytes: int,
@@ -203,25 +212,25 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def read_range(fd: int, data_offset: int, start: int, into: memoryview, tally: Any = None,
-               feeder: Any = None, verify: tuple[int, int] | None = None) -> None:
+               verify: tuple[int, int] | None = None) -> None:
     """Read data bytes ``[start, start + len(into))`` of the file straight into ``into``.
 
-    Pieces of :data:`READ_BYTES` (aligned in the data) are fed to ``tally`` as they arrive,
+    Pieces of :data:`PIECE_BYTES` (aligned in the data) are fed to ``tally`` as they arrive,
     cut to the data bytes ``verify`` (all when None); no tally, nothing is fed.
     """
     pos, n = 0, len(into)
     lo, hi = verify if verify is not None else (start, start + n)
     while pos < n:
-        stop = min(n, ((start + pos) // READ_BYTES + 1) * READ_BYTES - start)
+        stop = min(n, ((start + pos) // PIECE_BYTES + 1) * PIECE_BYTES - start)
         pread_all(fd, into[pos:stop], data_offset + start + pos)
         a, b = max(start + pos, lo), min(start + stop, hi)
         if tally is not None and a < b:
-            feeder.feed(tally, a, into[a - start:b - start])
+            tally.feed(a, into[a - start:b - start])
         pos = stop
 
 
 def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: Any,
-             dtype: np.dtype, buffer: Buffer, tally: Any = None, feeder: Any = None,
+             dtype: np.dtype, buffer: Buffer, tally: Any = None,
              verify: tuple[int, int] | None = None) -> None:
     """Read the box's runs of the file into ``dst`` (NumPy or CuPy, any layout).
 
@@ -231,13 +240,13 @@ def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: A
     (narrow column blocks) are read as one span per chunk and the box is picked out of it
     with strides: one system call instead of one per run, at the price of reading the
     neighbours' bytes of that span. With ``tally``, the box's bytes within the data bytes
-    ``verify`` (all when None) are fed to it through ``feeder`` as they are read.
+    ``verify`` (all when None) are fed to it as they are read.
     """
     extents = [s.stop - s.start for s in box]
     starts, length = box_runs(shape, box)
     if len(starts) == 1 and _is_direct(dst, dtype):
         read_range(fd, data_offset, int(starts[0]) * dtype.itemsize,
-                   memoryview(dst).cast("B"), tally, feeder, verify)
+                   memoryview(dst).cast("B"), tally, verify)
         return
     strides = [math.prod(shape[k + 1:]) * dtype.itemsize for k in range(len(shape))]
     for r0, r1, sub in _chunks(box, extents, dtype.itemsize, buffer, span=shape):
@@ -249,16 +258,13 @@ def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: A
         nbytes = length * dtype.itemsize
         offsets = (starts * dtype.itemsize).tolist()
         direct = _is_direct(part, dtype)
-        spans = len(starts) > 1 and nbytes < SHORT_RUN
-        if tally is not None and (spans or not direct):
-            feeder.wait()  # the buffer is refilled: the hash of its last content must be done
-        if spans:
+        if len(starts) > 1 and nbytes < SHORT_RUN:
             first = offsets[0]
             span = offsets[-1] + nbytes - first
             raw = buffer.view((span,), np.dtype(np.uint8))
             pread_all(fd, memoryview(raw), data_offset + first)
             if tally is not None:
-                feeder.run(_feed_runs, tally, memoryview(raw), offsets, nbytes, verify,
+                _feed_runs(tally, memoryview(raw), offsets, nbytes, verify,
                            [o - first for o in offsets])
             # The span starts at the chunk's first element: the full array's strides pick it.
             host = np.lib.stride_tricks.as_strided(raw.view(dtype), chunk_shape, strides,
@@ -269,7 +275,7 @@ def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: A
             for k, offset in enumerate(offsets):
                 pread_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
             if tally is not None:
-                feeder.run(_feed_runs, tally, flat, offsets, nbytes, verify)
+                _feed_runs(tally, flat, offsets, nbytes, verify)
             if direct:
                 continue
         if is_cupy_array(part):

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from . import exchange
 from ._shared import agree, call_key, open_fd, optimizer_names, replicas, same_call, tensors_of
-from .checksums import AdlerSums, Chunks, Feeder, verdict
+from .checksums import AdlerSums, Chunks, verdict
 from .files import Buffer, box_runs, file_reader, read_box, replica_share
 from .format import MANIFEST, CheckpointError, check_header, logical_name, parse_manifest
 
@@ -121,38 +121,32 @@ def read_files(comm: MPI.Intracomm, manifest: dict, tensors: list, offsets: list
     entries = manifest["tensors"]
     tallies = [_tally(manifest["version"], entries[t.name], t) for t in tensors]
     error: BaseException | None = None
-    with Feeder() as feeder:
-        for i in (i for i, boxes in enumerate(slabs) if boxes is not None):
-            t, fd = tensors[i], None
-            try:
-                fd = os.open(entries[t.name]["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            except Exception as err:  # noqa: BLE001 - the exchange goes on
-                error = error or err
-            try:
-                failed = exchange.read_slabs(comm, fd, offsets[i], t, slabs[i], buffer,
-                                             tallies[i], feeder)
-                error = error or failed
-                if fd is not None and error is None:
-                    feeder.wait()
-                    tallies[i].finish(file_reader(fd, offsets[i], buffer))
-            finally:
-                if fd is not None:
-                    os.close(fd)
-        if error is not None:
-            raise error
-        for i, t in enumerate(tensors):
-            if slabs[i] is not None:
-                continue
-            with open_fd(entries[t.name]["path"]) as fd:
-                count, index = holders[i]
-                for piece in t.placement.pieces():
-                    g, lo = piece
-                    verified = _verified_bytes(t, g, count, index)
-                    read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)],
-                             t.stored, buffer, tallies[i] if verified else None, feeder,
-                             verified)
-                feeder.wait()
+    for i in (i for i, boxes in enumerate(slabs) if boxes is not None):
+        t, fd = tensors[i], None
+        try:
+            fd = os.open(entries[t.name]["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except Exception as err:  # noqa: BLE001 - the exchange goes on
+            error = error or err
+        try:
+            failed = exchange.read_slabs(comm, fd, offsets[i], t, slabs[i], buffer, tallies[i])
+            error = error or failed
+            if fd is not None and error is None:
                 tallies[i].finish(file_reader(fd, offsets[i], buffer))
+        finally:
+            if fd is not None:
+                os.close(fd)
+    if error is not None:
+        raise error
+    for i, t in enumerate(tensors):
+        if slabs[i] is not None:
+            continue
+        with open_fd(entries[t.name]["path"]) as fd:
+            count, index = holders[i]
+            for g, lo in t.placement.pieces():
+                verified = _verified_bytes(t, g, count, index)
+                read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored,
+                         buffer, tallies[i] if verified else None, verified)
+            tallies[i].finish(file_reader(fd, offsets[i], buffer))
     return tallies
 
 

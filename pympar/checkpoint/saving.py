@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ..partition import block_slice
 from . import exchange
 from ._shared import agree, call_key, file_name, same_call, signature, tensors_of
-from .checksums import Chunks, Feeder
+from .checksums import Chunks
 from .files import Buffer, file_reader, write_box
 from .format import CHUNK_BYTES, FORMAT, MANIFEST, VERSION, CheckpointError, hex_digests, \
     logical_name, npy_header
@@ -100,9 +100,9 @@ def write_files(comm: MPI.Intracomm, temp: str, tensors: list, pieces: list, sla
     The exchanged tensors first (collective: every rank takes part in each, in the same
     order, even after a failed write, reported once they are all done), then the direct
     writes, each rank starting at its own tensor (ranks writing runs of the same file at once
-    queue on its inode lock and share pages at the runs' ends). Each chunk is hashed on a
-    helper thread while the next is written and its write-back starts at once; the fsyncs
-    run together at the end (one journal commit for many files, not one per file), at most
+    queue on its inode lock and share pages at the runs' ends). Each piece is hashed right
+    before it is written, and a buffer-full's write-back starts at once; the fsyncs run
+    together at the end (one journal commit for many files, not one per file), at most
     :data:`_OPEN_FILES` files behind.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -119,31 +119,30 @@ def write_files(comm: MPI.Intracomm, temp: str, tensors: list, pieces: list, sla
 
     error: BaseException | None = None
     try:
-        with Feeder() as feeder:
-            for i in (i for i, boxes in enumerate(slabs) if boxes is not None):
-                t = tensors[i]
-                rows = block_slice(t.placement.shape[0], size, rank)
-                fd = None
-                if rows.stop > rows.start and error is None:
-                    try:
-                        fd = open_file(i)
-                    except Exception as err:  # noqa: BLE001 - the exchange goes on
-                        error = err
-                failed = exchange.write_slabs(comm, fd, _data_offset(t), t, slabs[i], buffer,
-                                              tallies[i], feeder)
-                error = error or failed
-            if error is not None:
-                raise error
-            start = rank * len(tensors) // size
-            for i in [*range(start, len(tensors)), *range(start)]:
-                t = tensors[i]
-                if slabs[i] is not None or i % size != rank and not any(
-                        math.prod(s.stop - s.start for s in g) for g, _ in pieces[i]):
-                    continue  # nothing to write here; the creator still fsyncs the header
-                fd = open_file(i)
-                for g, lo in pieces[i]:
-                    write_box(fd, _data_offset(t), t.placement.shape, g, t.array[(*lo, ...)],
-                              t.stored, buffer, tallies[i], feeder)
+        for i in (i for i, boxes in enumerate(slabs) if boxes is not None):
+            t = tensors[i]
+            rows = block_slice(t.placement.shape[0], size, rank)
+            fd = None
+            if rows.stop > rows.start and error is None:
+                try:
+                    fd = open_file(i)
+                except Exception as err:  # noqa: BLE001 - the exchange goes on
+                    error = err
+            failed = exchange.write_slabs(comm, fd, _data_offset(t), t, slabs[i], buffer,
+                                          tallies[i])
+            error = error or failed
+        if error is not None:
+            raise error
+        start = rank * len(tensors) // size
+        for i in [*range(start, len(tensors)), *range(start)]:
+            t = tensors[i]
+            if slabs[i] is not None or i % size != rank and not any(
+                    math.prod(s.stop - s.start for s in g) for g, _ in pieces[i]):
+                continue  # nothing to write here; the creator still fsyncs the header
+            fd = open_file(i)
+            for g, lo in pieces[i]:
+                write_box(fd, _data_offset(t), t.placement.shape, g, t.array[(*lo, ...)],
+                          t.stored, buffer, tallies[i])
         _fsync_all(written)
     finally:
         for fd in written:
