@@ -219,12 +219,20 @@ def parse_manifest(directory: str, text: bytes) -> dict[str, Any]:
 def check_header(entry: dict[str, Any], name: str) -> int:
     """Compare a ``.npy`` file's header with its manifest entry; return the data offset.
 
-    The header is parsed with NumPy's own reader (a literal, never evaluated code); the file
-    must hold exactly the data its shape and dtype need (a truncated file is refused).
+    A header byte for byte equal to the one :func:`npy_header` writes for the entry is
+    accepted as it is; any other is parsed with NumPy's own reader (a literal, never
+    evaluated code) and compared. The file must hold exactly the data its shape and dtype
+    need (a truncated file is refused).
     """
     path = entry["path"]
+    expected = npy_header(entry["shape"], entry["stored"])
+    need = len(expected) + math.prod(entry["shape"]) * entry["stored"].itemsize
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == need and f.read(len(expected)) == expected:
+                return len(expected)
+            f.seek(0)
             version = npformat.read_magic(f)
             if version == (1, 0):
                 shape, fortran, dtype = npformat.read_array_header_1_0(f)
@@ -242,7 +250,7 @@ def check_header(entry: dict[str, Any], name: str) -> int:
                               f"{tuple(shape)}, dtype {dtype}, fortran_order {fortran}) disagrees "
                               f"with the manifest (shape {entry['shape']}, dtype "
                               f"{entry['stored']})")
-    need = offset + int(np.prod(entry["shape"], dtype=np.int64)) * entry["stored"].itemsize
+    need = offset + math.prod(entry["shape"]) * entry["stored"].itemsize
     if size != need:
         raise CheckpointError(f"tensor {name!r}: {entry['file']} holds {size} bytes, its header "
                               f"needs {need} (truncated or padded file)")
