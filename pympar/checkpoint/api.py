@@ -2,8 +2,8 @@
 
 Every rank writes its own block of every tensor straight into the full ``.npy`` file at
 computed offsets (``os.pwrite``); ranks holding the same block (replicas) split it so each
-writes about ``1/replicas`` of it. Nothing is gathered. A load reads every byte once and
-straight into the arrays where the layout allows, hashing it as it arrives. The ranks agree
+writes about ``1/replicas`` of it. Nothing is gathered. A load reads straight into the
+arrays where the layout allows, hashing the bytes as they arrive. The ranks agree
 on every verdict with one small all-reduce, so an error is raised on every rank with the
 same message. The steps are in :mod:`~pympar.checkpoint.saving` and
 :mod:`~pympar.checkpoint.loading`.
@@ -133,12 +133,12 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
          comm: Any = None) -> tuple[int | None, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``) under any layout; collective.
 
-    Every byte of every file is read once, by one rank: straight into that rank's arrays
-    where its block is contiguous in the file, else as a slab of whole rows traded with the
-    other ranks (one ``MPI_Alltoallw`` per buffer-full). Before a parameter is changed, the
-    manifest and every file's header and size are verified; the checksums (xxHash3-64 of
-    every chunk, or a version-1 checkpoint's Adler-32) are computed on the bytes as they
-    arrive and compared once all are read.
+    Each rank reads its own block straight into its arrays where the block is contiguous in
+    the file; blocks cut along a trailing axis are read as slabs of whole rows, one per rank,
+    and traded (one ``MPI_Alltoallw`` per buffer-full), so each byte is read once. Before a
+    parameter is changed, the manifest and every file's header and size are verified; the
+    checksums (xxHash3-64 of every chunk, or a version-1 checkpoint's Adler-32) are computed
+    on the bytes as they arrive, each byte by one rank, and compared once all are read.
 
     Parameters
     ----------
