@@ -186,7 +186,7 @@ def test_extra_memory_is_bounded(state, shared_dir, monkeypatch):
     """Peak traced allocations of a save/load stay under one shard + the staging buffer."""
     monkeypatch.setattr(api, "BUFFER_BYTES", 64 * 1024)
     monkeypatch.setattr(saving, "CHUNK_BYTES", checkpoint.format.CHUNK_BYTES)  # as shipped
-    monkeypatch.setattr(files, "PIECE_BYTES", 256 * 1024)
+    monkeypatch.setattr(files, "PIECE_BYTES", 2**20)
     shape = (256, 64 * WORLD.size)
     place = Placement(shape, (Split(1, WORLD.size, WORLD.rank),))  # column blocks: strided
     big = Parameter(np.random.default_rng(WORLD.rank).standard_normal(place.local_shape),
@@ -218,7 +218,7 @@ def test_zero_state_is_saved_and_loaded_without_gathering(state, shared_dir, mon
     memory stays under one share + the staging buffer (a gathered moment would be d shares)."""
     monkeypatch.setattr(api, "BUFFER_BYTES", 64 * 1024)
     monkeypatch.setattr(saving, "CHUNK_BYTES", checkpoint.format.CHUNK_BYTES)  # as shipped
-    monkeypatch.setattr(files, "PIECE_BYTES", 256 * 1024)
+    monkeypatch.setattr(files, "PIECE_BYTES", 2**20)
     world = Group(MPI.COMM_WORLD, "world", range(WORLD.size), owns_comm=False)
     model = Module()
     model.big = Parameter(np.random.default_rng(0).standard_normal((512, 64)))

@@ -133,12 +133,12 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
          comm: Any = None) -> tuple[int | None, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``) under any layout; collective.
 
-    Each rank reads its own block straight into its arrays where the block is contiguous in
-    the file; blocks cut along a trailing axis are read as slabs of whole rows, one per rank,
-    and traded (one ``MPI_Alltoallw`` per buffer-full), so each byte is read once. Before a
-    parameter is changed, the manifest and every file's header and size are verified; the
-    checksums (xxHash3-64 of every chunk, or a version-1 checkpoint's Adler-32) are computed
-    on the bytes as they arrive, each byte by one rank, and compared once all are read.
+    Each rank reads its own block straight into its arrays: with positioned reads where the
+    block is contiguous in the file, else copied with strides out of a read-only mapping of
+    the file. Before a parameter is changed, the manifest and every file's header and size
+    are verified; the checksums (xxHash3-64 of every chunk, or a version-1 checkpoint's
+    Adler-32) are computed by each rank over its balanced share of every file, on the bytes
+    as its reads pass over them where it can, and compared once all are read.
 
     Parameters
     ----------
@@ -178,10 +178,8 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     text = loading.read_manifest(comm, directory)
     manifest, tensors, state, offsets = attempt(comm, loading.check, directory, text, model,
                                                 optimizer)
-    buffer = Buffer(BUFFER_BYTES)
-    slabs, holders = attempt(comm, loading.plan_reads, comm, tensors, buffer)
-    tallies = attempt(comm, loading.read_files, comm, manifest, tensors, offsets, slabs,
-                      holders, buffer)
+    tallies = attempt(comm, loading.read_files, comm.Get_rank(), comm.Get_size(), manifest,
+                      tensors, offsets, Buffer(BUFFER_BYTES))
     loading.verify(comm, manifest, tensors, tallies)
     if optimizer is not None:
         attempt(comm, optimizer.load_local_state_dict, state)

@@ -81,6 +81,19 @@ class Chunks:
         """Whether a chunk of this rank still waits for bytes another rank holds."""
         return bool(self._open)
 
+    fed_while_reading = True  # a load feeds the pieces it reads
+
+    def complete(self, lo: int, hi: int, read: Callable[[int, int], memoryview]) -> None:
+        """Hash every chunk that starts in data bytes ``[lo, hi)`` and is not hashed yet,
+        reading what it lacks with ``read(offset, nbytes)``."""
+        self.finish(read)
+        size = self.chunk
+        for j in range(-(-lo // size), -(-hi // size)):
+            if j not in self.digests:
+                running = xxhash.xxh3_64()
+                self._open[j] = (running, j * size)
+        self.finish(read)
+
     def finish(self, read: Callable[[int, int], memoryview]) -> None:
         """Complete the open chunks with ``read(offset, nbytes)`` (bytes from the file)."""
         for j, (running, at) in sorted(self._open.items()):
@@ -97,6 +110,7 @@ class AdlerSums:
     """Adler-32 contributions ``[A, B]`` of the bytes this rank feeds (format 1, one file)."""
 
     incomplete = False  # Adler-32 adds up from any pieces
+    fed_while_reading = False  # a load sums its share of the bytes at the end, in one go
 
     def __init__(self, total: int) -> None:
         self.total = int(total)
@@ -109,6 +123,13 @@ class AdlerSums:
 
     def finish(self, read: Callable[[int, int], memoryview]) -> None:
         """Nothing to complete: Adler-32 adds up from any pieces."""
+
+    def complete(self, lo: int, hi: int, read: Callable[[int, int], memoryview]) -> None:
+        """Add the contributions of data bytes ``[lo, hi)``, read with ``read``."""
+        while lo < hi:
+            data = read(lo, min(hi - lo, 2**24))
+            self.feed(lo, data)
+            lo += len(data)
 
 
 def adler_part(data: Any, offset: int, total: int) -> tuple[int, int]:

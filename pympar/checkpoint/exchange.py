@@ -1,4 +1,4 @@
-"""Two-phase I/O: ranks trade their blocks for row slabs, each writing or reading one range.
+"""Two-phase writes: ranks trade their blocks for row slabs, then each writes one range.
 
 A block split along a trailing axis (a Row-parallel weight, a 3D block) lies in its C-order
 file as one short run per row: thousands of small writes per rank, and pages that two ranks
@@ -9,16 +9,14 @@ of the first axis, one staging buffer-full per round), and then write that slab 
 both sides, so MPI reads the blocks where they lie and nothing is packed in Python. The
 slab is the staging buffer, so the memory bound of a save does not change.
 
-A load runs the same rounds the other way (:func:`read_slabs`): each rank reads its slab of
-rows with one ``os.preadv`` (hashing it as it arrives), and one ``Alltoallw`` per round
-delivers every rank its block, replicas included, straight into its array. So every byte of
-the file is read once, by one rank, whatever the layout.
+A load does not trade: on one node, ``Alltoallw`` over these datatypes measured several
+times slower than each rank copying its block out of a mapping of the file (see
+:func:`pympar.checkpoint.loading.read_files`).
 
 Every rank decides alike from one all-gather of every rank's box (:func:`plan`); a
 tensor whose blocks cannot be described this way (several pieces, as fused ``stride > 1``
 weights have; CuPy arrays; a byte order other than the stored one) keeps the direct writes
-of :func:`~pympar.checkpoint.files.write_box` and reads of
-:func:`~pympar.checkpoint.files.read_box`.
+of :func:`~pympar.checkpoint.files.write_box`.
 """
 
 from __future__ import annotations
@@ -30,9 +28,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..partition import block_slice
-from .files import Buffer, read_range, start_writeback, write_range
+from .files import Buffer, start_writeback, write_range
 
-__all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs", "read_slabs"]
+__all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs"]
 
 #: Blocks whose file runs are shorter than this are exchanged instead of written in place.
 SHORT_RUN_BYTES = 1 * 2**20
@@ -193,30 +191,4 @@ def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, b
                 start_writeback(fd, data_offset + lo * row_bytes, len(flat))
             except Exception as err:  # noqa: BLE001 - reported after the exchange
                 error = err
-    return error
-
-
-def read_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
-               buffer: Buffer, tally: Any) -> BaseException | None:
-    """Read this rank's row slabs of tensor ``t`` and trade them for every rank's block;
-    collective.
-
-    The mirror of :func:`write_slabs`: ``boxes`` are the ranks' blocks (replicas each get
-    theirs), ``fd`` the open file (None when it could not be opened). Each slab is fed to
-    ``tally`` as it is read. A failed read does not stop this rank's part in the exchange:
-    the first error is returned, to be agreed on afterwards.
-    """
-    row_bytes = math.prod(t.placement.shape[1:]) * t.stored.itemsize
-    zeros = [0] * comm.Get_size()
-    error: BaseException | None = None
-    for lo, hi, slab, block_types, slab_types, counts in _rounds(comm, t, boxes, buffer):
-        if hi > lo and error is None:
-            try:
-                if fd is None:
-                    raise OSError("the file is not open")
-                read_range(fd, data_offset, lo * row_bytes, memoryview(slab).cast("B"), tally)
-            except Exception as err:  # noqa: BLE001 - reported after the exchange
-                error = err
-        comm.Alltoallw([slab, (counts[1], zeros), slab_types],
-                       [t.array, (counts[0], zeros), block_types])
     return error

@@ -8,6 +8,7 @@ on all of them before the next step starts.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import stat
 from typing import Any
@@ -15,14 +16,14 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import exchange
-from ._shared import agree, call_key, open_fd, optimizer_names, replicas, same_call, tensors_of
+from ..partition import block_slice
+from ._shared import agree, call_key, open_fd, optimizer_names, same_call, tensors_of
 from .checksums import AdlerSums, Chunks, verdict
-from .files import Buffer, box_runs, file_reader, read_box, replica_share
-from .format import MANIFEST, CheckpointError, check_header, logical_name, parse_manifest
+from .files import Buffer, box_runs, read_box, read_range
+from .format import MANIFEST, CheckpointError, check_header, chunk_count, logical_name, \
+    parse_manifest
 
-__all__ = ["compare_calls", "read_manifest", "check", "plan_reads", "read_files", "verify",
-           "optimizer_state"]
+__all__ = ["compare_calls", "read_manifest", "check", "read_files", "verify", "optimizer_state"]
 
 #: The largest manifest read (about 90 KB per GiB of data: 2.8 TB of checkpoint).
 _MANIFEST_LIMIT = 256 * 2**20
@@ -102,52 +103,54 @@ def check(directory: str, text: bytes, model: Any, optimizer: Any) -> tuple:
     return manifest, tensors, state, offsets
 
 
-def plan_reads(comm: MPI.Intracomm, tensors: list, buffer: Buffer) -> tuple[list, list]:
-    """Which tensors are read as row slabs and traded (:mod:`~pympar.checkpoint.exchange`),
-    and each block's ``(count, index)`` among its replicas; collective."""
-    blocks = [list(t.placement.pieces()) for t in tensors]
-    return exchange.plan(comm, tensors, blocks, buffer.nbytes), replicas(comm, tensors)
+def read_files(rank: int, size: int, manifest: dict, tensors: list, offsets: list,
+               buffer: Buffer) -> list:
+    """Read this rank's blocks straight into its arrays; hash this rank's share of each file.
 
-
-def read_files(comm: MPI.Intracomm, manifest: dict, tensors: list, offsets: list, slabs: list,
-               holders: list, buffer: Buffer) -> list:
-    """Read every rank's blocks straight into its arrays, feeding the checksum tallies.
-
-    The exchanged tensors first (collective: every rank takes part in each, even after a
-    failed read), then each rank's own reads. Every byte of a file is fed by one rank: a
-    slab by its reader; a block contiguous in the file by each replica's share of it; any
-    other block by its first replica.
+    A block that is contiguous in the file and lands in contiguous host memory is read with
+    positioned reads (:func:`~pympar.checkpoint.files.read_range`); any other NumPy block is
+    copied, with strides, out of a read-only mapping of the file (one copy from the page
+    cache and no system call per run, where a row-slab exchange cost a read, a pack and a
+    transfer); CuPy blocks go through the staging buffer. Verification does not depend on the
+    layout: rank ``r`` hashes the ``r``-th balanced share of each file's chunks (format 1:
+    of its bytes), the pieces its reads pass over while they are in the cache, the rest
+    straight from the mapping. Nothing here communicates.
     """
     entries = manifest["tensors"]
-    tallies = [_tally(manifest["version"], entries[t.name], t) for t in tensors]
-    error: BaseException | None = None
-    for i in (i for i, boxes in enumerate(slabs) if boxes is not None):
-        t, fd = tensors[i], None
-        try:
-            fd = os.open(entries[t.name]["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except Exception as err:  # noqa: BLE001 - the exchange goes on
-            error = error or err
-        try:
-            failed = exchange.read_slabs(comm, fd, offsets[i], t, slabs[i], buffer, tallies[i])
-            error = error or failed
-            if fd is not None and error is None:
-                tallies[i].finish(file_reader(fd, offsets[i], buffer))
-        finally:
-            if fd is not None:
-                os.close(fd)
-    if error is not None:
-        raise error
-    for i, t in enumerate(tensors):
-        if slabs[i] is not None:
-            continue
+    tallies = []
+    for t, offset in zip(tensors, offsets):
+        tally = _tally(manifest["version"], entries[t.name], t)
         with open_fd(entries[t.name]["path"]) as fd:
-            count, index = holders[i]
-            for g, lo in t.placement.pieces():
-                verified = _verified_bytes(t, g, count, index)
-                read_box(fd, offsets[i], t.placement.shape, g, t.array[(*lo, ...)], t.stored,
-                         buffer, tallies[i] if verified else None, verified)
-            tallies[i].finish(file_reader(fd, offsets[i], buffer))
+            _read_tensor(fd, offset, t, tally, _own_bytes(tally, rank, size), buffer)
+        tallies.append(tally)
     return tallies
+
+
+def _read_tensor(fd: int, offset: int, t: Any, tally: Any, own: tuple[int, int],
+                 buffer: Buffer) -> None:
+    """This rank's blocks of tensor ``t`` into its arrays, and its share hashed.
+
+    The data bytes are mapped read-only (``mmap``). The file's length was checked against
+    its header; a file that another process truncates while it is mapped ends this process
+    (``SIGBUS``), as it would any reader of a mapping.
+    """
+    mapping = mmap.mmap(fd, offset + tally.total, access=mmap.ACCESS_READ) \
+        if tally.total else None
+    data = None
+    try:
+        if mapping is not None:
+            data = np.frombuffer(mapping, dtype=np.uint8, count=tally.total, offset=offset)
+        for g, lo in t.placement.pieces():
+            _read_block(fd, offset, t, g, t.array[(*lo, ...)], data, buffer,
+                        tally if tally.fed_while_reading else None, own)
+        tally.complete(*own, lambda at, n: memoryview(data[at:at + n]))
+    finally:
+        data = None  # the views go before the mapping closes
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # a view held by an error's traceback: closed when freed
+                pass
 
 
 def _tally(version: int, entry: dict, t: Any) -> Any:
@@ -155,22 +158,31 @@ def _tally(version: int, entry: dict, t: Any) -> Any:
     return AdlerSums(total) if version == 1 else Chunks(total, entry["chunk_bytes"])
 
 
-def _verified_bytes(t: Any, box: tuple, count: int, index: int) -> tuple[int, int] | None:
-    """The data bytes of ``box`` this rank feeds: all of it for an only holder; its share
-    for one of several replicas when every replica's share is one contiguous range; else
-    all of it for the first replica and nothing for the others."""
-    shape, itemsize = t.placement.shape, t.stored.itemsize
-    everything = (0, math.prod(shape) * itemsize)
-    if count == 1:
-        return everything
-    parts = [replica_share(box, count, k) for k in range(count)]
-    runs = [box_runs(shape, p) if p is not None else (np.zeros(0), 0) for p in parts]
-    if all(len(starts) <= 1 for starts, _ in runs):
-        starts, length = runs[index]
-        if not len(starts):
-            return None
-        return int(starts[0]) * itemsize, (int(starts[0]) + length) * itemsize
-    return everything if index == 0 else None
+def _own_bytes(tally: Any, rank: int, size: int) -> tuple[int, int]:
+    """The data bytes this rank verifies: its balanced share of the chunks (of the bytes)."""
+    if isinstance(tally, AdlerSums):
+        share = block_slice(tally.total, size, rank)
+        return share.start, share.stop
+    share = block_slice(chunk_count(tally.total, tally.chunk), size, rank)
+    return share.start * tally.chunk, min(share.stop * tally.chunk, tally.total)
+
+
+def _read_block(fd: int, data_offset: int, t: Any, box: tuple, dst: Any, data: Any,
+                buffer: Buffer, tally: Any, own: tuple[int, int]) -> None:
+    """Fill ``dst`` with the ``box`` of tensor ``t``'s file (``data``: the mapped data bytes),
+    feeding ``tally`` the bytes read within ``own``."""
+    shape, stored = t.placement.shape, t.stored
+    starts, _ = box_runs(shape, box)
+    if not len(starts):
+        return
+    if len(starts) == 1 and isinstance(dst, np.ndarray) and dst.flags.c_contiguous \
+            and dst.dtype == stored:
+        read_range(fd, data_offset, int(starts[0]) * stored.itemsize,
+                   memoryview(dst).cast("B"), tally, own)
+    elif isinstance(dst, np.ndarray):
+        np.copyto(dst, data.view(stored).reshape(shape)[box])
+    else:  # CuPy: staged through the host buffer
+        read_box(fd, data_offset, shape, box, dst, stored, buffer)
 
 
 def verify(comm: MPI.Intracomm, manifest: dict, tensors: list, tallies: list) -> None:
