@@ -28,8 +28,7 @@ from ..backend import is_cupy_array
 from ..partition import block_slice
 
 __all__ = ["Buffer", "box_runs", "replica_share", "write_box", "write_range", "read_box",
-           "read_range",
-           "file_reader", "pwrite_all", "pread_all", "start_writeback"]
+           "read_range", "file_reader", "pwrite_all", "pread_all", "start_writeback"]
 
 #: Runs shorter than this many bytes are read as one span per chunk.
 SHORT_RUN = 64 * 1024
