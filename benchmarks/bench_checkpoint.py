@@ -153,7 +153,10 @@ class RawRead:
             try:
                 view, at = memoryview(into), 0
                 while at < len(view):
-                    at += os.preadv(fd, [view[at:]], offset + at)
+                    got = os.preadv(fd, [view[at:]], offset + at)
+                    if not got:
+                        raise EOFError(f"{path} ends early")
+                    at += got
             finally:
                 os.close(fd)
 
