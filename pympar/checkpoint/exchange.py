@@ -34,6 +34,9 @@ __all__ = ["SHORT_RUN_BYTES", "plan", "write_slabs"]
 
 #: Blocks whose file runs are shorter than this are exchanged instead of written in place.
 SHORT_RUN_BYTES = 1 * 2**20
+#: The predefined datatype moving one item of each size. Subarrays over them ran 3-4x faster
+#: in ``Alltoallw`` (MPICH, one node) than over ``MPI.BYTE.Create_contiguous(itemsize)``.
+_ITEM_TYPES = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}
 
 Box = tuple  # tuple of slices over the full shape
 
@@ -132,7 +135,7 @@ def _rounds(comm: MPI.Intracomm, t: Any, boxes: list,
     rows_per_round = max(buffer.nbytes // max(row_bytes, 1), 1)  # plan(): a row fits
     domains = [block_slice(shape[0], size, q) for q in range(size)]
     rounds = max(math.ceil((d.stop - d.start) / rows_per_round) for d in domains)
-    base = MPI.BYTE.Create_contiguous(itemsize).Commit()
+    base = _ITEM_TYPES.get(itemsize) or MPI.BYTE.Create_contiguous(itemsize).Commit()
     mine, my_starts = boxes[rank]
     local_shape = tuple(t.array.shape)
     try:
@@ -165,7 +168,8 @@ def _rounds(comm: MPI.Intracomm, t: Any, boxes: list,
                 for ty in made:
                     ty.Free()
     finally:
-        base.Free()
+        if itemsize not in _ITEM_TYPES:
+            base.Free()
 
 
 def write_slabs(comm: MPI.Intracomm, fd: int | None, data_offset: int, t: Any, boxes: list,
