@@ -13,9 +13,15 @@ by columns (Row-parallel: one run of ``4096 / ranks`` values per row). Variants,
 interleaved round by round, each a median over rounds, each rate = state bytes / seconds
 of the slowest rank:
 
-* ``disk write`` / ``disk read``: one process writes the same number of bytes to a new file
-  in 8 MiB ``os.write`` calls and ``fsync`` s it, then reads it back (the disk's own figure
-  in this run; reads of freshly written data come from the page cache, as for the loads);
+* ``disk write``: one process writes the same number of bytes to a new file in 8 MiB
+  ``os.write`` calls and ``fsync`` s it (the disk's own figure in this run);
+* ``disk read, cold``: one process reads that file back into one preallocated array of its
+  size, after ``posix_fadvise(DONTNEED)`` dropped it from the page cache: the disk's read
+  (the loads below read from the page cache, as a restart right after a save would);
+* ``raw read into preallocated arrays``: every rank reads its share (``1/ranks``, one
+  contiguous range of each file) of the saved checkpoint's ``.npy`` files, from the page
+  cache, into preallocated arrays of those sizes with one ``os.preadv`` per file, all at
+  once: the least any load of these files must do (no checksum, no layout);
 * ``disk write, a file per rank``: every rank writes its share of the bytes to a file of
   its own the same way, all at once: what the disk gives writers that never meet and
   ``fsync`` at the end (torch DCP writes this way; a writer that starts the write-back
@@ -88,23 +94,71 @@ def build(comm: MPI.Comm, rows: int, cols: int, swap: bool) -> tuple[Module, Ada
     return model, opt
 
 
-def disk(path: str, nbytes: int, write: bool) -> float:
-    """Seconds for one process to write (with fsync) or read ``nbytes`` in 8 MiB calls."""
-    chunk = np.ones(8 * 2**20, dtype=np.uint8)
-    view = memoryview(chunk)
+def disk_write(path: str, nbytes: int) -> float:
+    """Seconds for one process to write ``nbytes`` in 8 MiB calls, with fsync."""
+    view = memoryview(np.ones(8 * 2**20, dtype=np.uint8))
     start = time.perf_counter()
-    fd = os.open(path, (os.O_CREAT | os.O_WRONLY | os.O_TRUNC) if write else os.O_RDONLY, 0o644)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
     try:
         left = nbytes
         while left:
-            n = min(left, len(view))
-            done = os.write(fd, view[:n]) if write else os.readv(fd, [view[:n]])
-            left -= done
-        if write:
-            os.fsync(fd)
+            left -= os.write(fd, view[:min(left, len(view))])
+        os.fsync(fd)
     finally:
         os.close(fd)
     return time.perf_counter() - start
+
+
+def disk_read_cold(path: str, into: np.ndarray) -> float:
+    """Seconds for one process to read the file at ``path`` (dropped from the page cache
+    first, untimed) into ``into``, in 8 MiB calls."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        view = memoryview(into).cast("B")
+        start = time.perf_counter()
+        at = 0
+        while at < len(view):
+            got = os.preadv(fd, [view[at:at + 8 * 2**20]], at)
+            if not got:
+                break
+            at += got
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
+
+class RawRead:
+    """This rank's share of each ``.npy`` file of a checkpoint, read into arrays of its sizes.
+
+    The share of a file is the balanced ``1/ranks`` of its data bytes, one contiguous range;
+    the arrays are allocated and touched once, outside the timing.
+    """
+
+    def __init__(self, comm: MPI.Comm, directory: str) -> None:
+        self.ranges = []
+        for name in sorted(os.listdir(directory)):
+            if not name.endswith(".npy"):
+                continue
+            path = os.path.join(directory, name)
+            head = np.load(path, mmap_mode="r", allow_pickle=False)
+            offset = os.path.getsize(path) - head.nbytes  # the data end the file
+            share = block_slice(head.nbytes, comm.Get_size(), comm.Get_rank())
+            into = np.ones(share.stop - share.start, dtype=np.uint8)
+            self.ranges.append((path, offset + share.start, into))
+
+    def __call__(self) -> None:
+        for path, offset, into in self.ranges:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                view, at = memoryview(into), 0
+                while at < len(view):
+                    got = os.preadv(fd, [view[at:]], offset + at)
+                    if not got:
+                        raise EOFError(f"{path} ends early")
+                    at += got
+            finally:
+                os.close(fd)
 
 
 def remove(comm: MPI.Comm, path: str, every_rank: bool = False) -> None:
@@ -139,6 +193,8 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
         return os.path.join(where, f"c{counter[0]}")
 
     saved = checkpoint.save(os.path.join(where, "loaded"), model, opt, comm=comm)
+    raw_read = RawRead(comm, saved)
+    cold = np.ones(nbytes if comm.Get_rank() == 0 else 0, dtype=np.uint8)
     torch_dcp = None if torch_group is None else _torch(comm, model, opt, where, torch_group)
 
     def sample_save() -> float:
@@ -148,20 +204,21 @@ def measure(comm: MPI.Comm, size: int, repeats: int, root: str, torch_group=None
 
     def sample_disk_write() -> float:
         remove(comm, os.path.join(where, "raw"))
-        return comm.bcast(disk(os.path.join(where, "raw"), nbytes, True)
+        return comm.bcast(disk_write(os.path.join(where, "raw"), nbytes)
                           if comm.Get_rank() == 0 else None)
 
     def sample_disk_write_every_rank() -> float:
         mine = os.path.join(where, f"raw.{comm.Get_rank()}")
         remove(comm, mine, every_rank=True)
         share = block_slice(nbytes, ranks, comm.Get_rank())
-        return timed(comm, lambda: disk(mine, share.stop - share.start, True))
+        return timed(comm, lambda: disk_write(mine, share.stop - share.start))
 
     samplers = {
         "disk write": sample_disk_write,
         "disk write, a file per rank": sample_disk_write_every_rank,
-        "disk read": lambda: comm.bcast(disk(os.path.join(where, "raw"), nbytes, False)
-                                        if comm.Get_rank() == 0 else None),
+        "disk read, cold": lambda: comm.bcast(disk_read_cold(os.path.join(where, "raw"), cold)
+                                              if comm.Get_rank() == 0 else None),
+        "raw read into preallocated arrays": lambda: timed(comm, raw_read),
         "pympar save": sample_save,
         "pympar load same layout": lambda: timed(
             comm, lambda: checkpoint.load(saved, model, opt, comm=comm)),
@@ -286,12 +343,17 @@ def _ratios(results: list[dict]) -> list[dict]:
         row = {"ranks": r["ranks"], "save_vs_disk_write": paired("pympar save", "disk write"),
                "load_other_vs_same": paired("pympar load same layout",
                                             "pympar load other layout")}
+        if "raw read into preallocated arrays" in s:
+            for layout in ("same", "other"):
+                row[f"load_{layout}_vs_raw_read"] = paired(f"pympar load {layout} layout",
+                                                           "raw read into preallocated arrays")
         row["save_vs_disk_every_rank"] = paired("pympar save", "disk write, a file per rank")
         if "torch DCP save" in s:
             row["torch_dcp_vs_disk_every_rank"] = paired("torch DCP save",
                                                          "disk write, a file per rank")
             row["save_vs_torch_dcp"] = paired("pympar save", "torch DCP save")
             row["load_vs_torch_dcp"] = paired("pympar load same layout", "torch DCP load")
+            row["load_other_vs_torch_dcp"] = paired("pympar load other layout", "torch DCP load")
         out.append(row)
     return out
 

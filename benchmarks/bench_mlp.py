@@ -15,6 +15,9 @@ variants, timed in the same job, interleaved round by round:
   RowParallelLinear(input_is_parallel=True)``, one BLAS thread per rank;
 * ``pympar TP=p no dx``: the same model built with ``input_grad=False``: no input
   gradient, and no all-reduce of it;
+* ``hand-written NumPy + mpi4py TP=p``: the same step written by hand
+  (:mod:`benchmarks.mlp_by_hand`): same BLAS calls, same local GELU, no pympar. The limit for
+  this stack: ``pympar TP / hand-written TP`` is what pympar's machinery costs;
 * ``torch serial 1 / p threads`` and ``torch DTensor TP=p``
   (``ColwiseParallel``/``RowwiseParallel`` through ``parallelize_module`` on
   gloo), and ``torch DTensor TP=p no dx`` (an input that does not require its
@@ -26,6 +29,10 @@ in every variant but the two ``no dx`` ones, which compare the same work side by
 All variants start from the same weights (pympar's seeded init, copied into torch), and
 the first step of each is checked against the serial pympar result (output, and input
 gradient where computed). Parallel efficiency is ``serial 1 thread / (p x TP=p)``.
+
+Every ratio names its anchor. Against torch, the serial steps come first: ``torch serial /
+pympar serial`` (one thread each) is the difference of the two BLAS builds and kernels, not
+of any parallel machinery, and it is most of ``pympar TP / torch DTensor TP``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from benchmarks.mlp_by_hand import HandWrittenTP  # noqa: E402
 from pympar import manager  # noqa: E402
 from pympar.modules import (GELU, ColumnParallelLinear, Linear, RowParallelLinear,  # noqa: E402
                             Sequential)
@@ -183,10 +191,16 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
     steps[sp] = sampler(root, many, lambda: pympar_step(serial, x, dy))
     steps[tp] = sampler(every, one, lambda: pympar_step(parallel, x, dy))
     steps[tp_nodx] = sampler(every, one, lambda: pympar_step(no_dx, x, dy))
+    first, _, second = list(serial)
+    hand = HandWrittenTP(first.weight.data, first.bias.data, second.weight.data,
+                         second.bias.data, comm)
+    hand_tp = f"hand-written NumPy + mpi4py TP={p}"
+    steps[hand_tp] = sampler(every, one, lambda: hand.step(x, dy))
     with common.blas_threads(1):
         check(tp, *pympar_step(parallel, x, dy))
         check(tp_nodx, *pympar_step(no_dx, x, dy))
-    names = {"serial1": s1, "serialp": sp, "tp": tp, "tp_nodx": tp_nodx}
+        check(hand_tp, *hand.step(x, dy))
+    names = {"serial1": s1, "serialp": sp, "tp": tp, "tp_nodx": tp_nodx, "hand_tp": hand_tp}
     if torch is not None:
         t_serial = torch_serial(torch, serial)
         t_parallel = torch_dtensor(torch, serial, comm)
@@ -213,12 +227,17 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
         "max_rel_error": checks, "names": names,
         "gflop": 3 * 2 * 2 * tokens * hidden * ffn / 1e9,
         "efficiency_pympar": ms[s1] / (p * ms[tp]),
+        "ratio_pympar_tp_over_hand_tp": ms[tp] / ms[hand_tp],
+        # Paired within each round: the machine's drift falls on both alike.
+        "ratio_pympar_tp_over_hand_tp_paired": common.median(
+            [a / b for a, b in zip(samples[tp], samples[hand_tp])]),
     }
     if torch is not None:
         row["efficiency_torch"] = ms[names["torch_serial1"]] / (p * ms[names["torch_tp"]])
         row["ratio_pympar_tp_over_torch_tp"] = ms[tp] / ms[names["torch_tp"]]
         row["ratio_pympar_nodx_over_torch_nodx"] = ms[tp_nodx] / ms[names["torch_tp_nodx"]]
         row["ratio_pympar_tp_over_torch_serialp"] = ms[tp] / ms[names["torch_serialp"]]
+        row["ratio_torch_serial1_over_pympar_serial1"] = ms[names["torch_serial1"]] / ms[s1]
     return row
 
 
@@ -263,9 +282,14 @@ def format_row(row: dict[str, Any]) -> str:
     lines = [f"  H={row['hidden']} T={row['tokens']} ({row['gflop']:.1f} GFLOP per step)"]
     for name, value in row["step_ms"].items():
         err = row["max_rel_error"].get(name)
-        lines.append(f"    {name:24} {value:9.1f} ms" + ("" if err is None else f"   rel err {err:.1e}"))
+        lines.append(f"    {name:36} {value:9.1f} ms" + ("" if err is None else f"   rel err {err:.1e}"))
     lines.append(f"    parallel efficiency pympar {row['efficiency_pympar']:.3f}"
                  + (f", torch {row['efficiency_torch']:.3f}" if "efficiency_torch" in row else ""))
+    lines.append(f"    pympar TP / hand-written NumPy + mpi4py TP "
+                 f"{row['ratio_pympar_tp_over_hand_tp']:.3f} (same BLAS and GELU, no pympar)")
+    if "ratio_torch_serial1_over_pympar_serial1" in row:
+        lines.append("    torch serial / pympar serial, 1 thread "
+                     f"{row['ratio_torch_serial1_over_pympar_serial1']:.3f} (the BLAS builds)")
     if "ratio_pympar_tp_over_torch_tp" in row:
         lines.append(f"    pympar TP / torch DTensor TP {row['ratio_pympar_tp_over_torch_tp']:.3f}"
                      " (input gradient computed)")

@@ -1,8 +1,10 @@
 """Corrupted and untrusted checkpoints: one clear error on every rank, nothing changed.
 
-Each case copies a good checkpoint, damages the copy on rank 0, and loads it on every rank:
-``CheckpointError`` naming the tensor must come back on every rank within 10 s, and the
-model and optimizer must be exactly as before.
+Each case copies a good checkpoint (one saved now, format 2, and the format-1 checkpoint
+``tests/data/checkpoint_v1`` written by the code before format 2), damages the copy on rank
+0, and loads it on every rank: ``CheckpointError`` naming the tensor must come back on every
+rank within 10 s, and the model and optimizer must be exactly as before (a flipped byte is
+found while the data are read: then only the optimizer's steps and hyperparameters must be).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +24,9 @@ from pympar import checkpoint, manager
 from pympar.modules import Module, Parameter
 from pympar.optim import Adam
 from pympar.partition import Placement, Split
+
+#: Written by pympar's format-1 code (commit a7a8f63) from ``build()``'s arrays on one rank.
+FORMAT_1 = Path(__file__).resolve().parent / "data" / "checkpoint_v1"
 
 
 def build():
@@ -43,7 +49,10 @@ def good():
     manager.initialize_parallel(1, 1)
     root = WORLD.bcast(tempfile.mkdtemp(prefix="pympar-ckpt-err-") if WORLD.rank == 0 else None)
     model, opt = build()
-    checkpoint.save(os.path.join(root, "good"), model, opt, step=1)
+    checkpoint.save(os.path.join(root, "v2"), model, opt, step=1)
+    if WORLD.rank == 0:
+        shutil.copytree(FORMAT_1, os.path.join(root, "v1"))
+    WORLD.Barrier()
     yield root
     WORLD.Barrier()
     manager.destroy_parallel()
@@ -51,11 +60,11 @@ def good():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def damaged(root, case, damage):
+def damaged(root, version, case, damage):
     """A copy of the good checkpoint, damaged by ``damage(path, manifest)`` on rank 0."""
-    path = os.path.join(root, case)
+    path = os.path.join(root, f"{version}-{case}")
     if WORLD.rank == 0:
-        shutil.copytree(os.path.join(root, "good"), path)
+        shutil.copytree(os.path.join(root, version), path)
         with open(os.path.join(path, "manifest.json")) as f:
             manifest = json.load(f)
         if damage(path, manifest) is not False:
@@ -99,7 +108,7 @@ def missing_entry(path, m):
 
 
 def outside(path, m):
-    m["tensors"]["bias"]["file"] = "../good/" + file_of(m, "bias")
+    m["tensors"]["bias"]["file"] = "../v2/" + file_of(m, "bias")
 
 
 def absolute(path, m):
@@ -143,13 +152,32 @@ def no_manifest(path, m):
     return False
 
 
+def digest_missing(path, m):
+    entry = m["tensors"]["bias"]
+    if "xxh3_64" in entry:
+        entry["xxh3_64"] = []
+    else:
+        entry["checksum"] = "adler32:12"
+
+
+def digest_not_hex(path, m):
+    entry = m["tensors"]["bias"]
+    if "xxh3_64" in entry:
+        entry["xxh3_64"] = ["0x" + entry["xxh3_64"][0][2:]]
+    else:
+        entry["checksum"] = "adler32:0x123456"
+
+
+#: Damages found only once the data are read (the arrays then hold them).
+FOUND_WHILE_READING = {"flip"}
+
 CASES = [
     (truncate, "'weight': .* holds .* bytes, its header needs"),
     (flip, "'optimizer/weight/exp_avg_sq': checksum mismatch"),
     (missing_file, "'bias': file .* is missing"),
     (wrong_shape, "'weight': the checkpoint holds shape \\(8, 6\\).*fits no parameter"),
     (missing_entry, "'optimizer/bias/exp_avg' is missing from the checkpoint"),
-    (outside, "'bias': file '../good/.*' is refused"),
+    (outside, "'bias': file '../v2/.*' is refused"),
     (absolute, "'bias': file '/.*' is refused"),
     (symlink, "'bias': file .* is not a regular file"),
     (not_npy, "'bias': file 'bias.txt' is refused"),
@@ -158,13 +186,20 @@ CASES = [
     (header_disagrees, "'weight': the header of .* disagrees with the manifest"),
     (future_version, "format version 99 is not supported"),
     (no_manifest, "is not a complete checkpoint"),
+    (digest_missing, "'bias': 'xxh3_64' must be a list of 1 16-digit|'bias': checksum .* is not "
+                     "adler32"),
+    (digest_not_hex, "'bias': 'xxh3_64' holds a value that is not|'bias': checksum .* is not "
+                     "adler32"),
 ]
 
 
+@pytest.mark.parametrize("version", ["v2", "v1"])
 @pytest.mark.parametrize("damage, match", CASES, ids=[c[0].__name__ for c in CASES])
-def test_damaged_checkpoint_is_refused_everywhere(good, damage, match):
-    path = damaged(good, damage.__name__, damage)
+def test_damaged_checkpoint_is_refused_everywhere(good, version, damage, match):
+    path = damaged(good, version, damage.__name__, damage)
     model, opt = build()
+    opt.step()  # steps 2, lr 0.5: the checkpoint's are 1 and 0.1
+    opt.lr = 0.5
     before = [p.data.copy() for p in model.parameters()] + [m.copy() for m in opt.exp_avg_sq]
     model.weight.data += 1.0  # differs from the checkpoint: a partial load would show
     before[0] += 1.0
@@ -172,5 +207,25 @@ def test_damaged_checkpoint_is_refused_everywhere(good, damage, match):
     raises_everywhere(checkpoint.CheckpointError, match, checkpoint.load, path, model, opt)
     elapsed = time.monotonic() - start
     after = [p.data for p in model.parameters()] + list(opt.exp_avg_sq)
-    agree(all(np.array_equal(a, b) for a, b in zip(after, before)) and opt.steps == [1, 1]
-          and elapsed < 10, f"changed by a refused load, or slow ({elapsed:.1f} s)")
+    unchanged = (damage.__name__ in FOUND_WHILE_READING
+                 or all(np.array_equal(a, b) for a, b in zip(after, before)))
+    agree(unchanged and opt.steps == [2, 2] and opt.lr == 0.5 and elapsed < 10,
+          f"changed by a refused load, or slow ({elapsed:.1f} s)")
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_good_checkpoint_loads_under_this_layout(good, version):
+    """Both formats load into the split layout of ``build()`` (the data-parallel group cuts
+    the weight's columns) and give every rank its block of the saved arrays."""
+    model, opt = build()
+    for p in model.parameters():
+        p.data[...] = 0
+    step, extra = checkpoint.load(os.path.join(good, version), model, opt)
+    files = json.load(open(os.path.join(good, version, "manifest.json")))["tensors"]
+    saved = {n: np.load(os.path.join(good, version, e["file"]), allow_pickle=False)
+             for n, e in files.items()}
+    ok = step == 1 and all(np.array_equal(p.data, p.placement.take(saved[name]))
+                           for name, p in model.named_parameters())
+    ok = ok and np.array_equal(opt.exp_avg_sq[0],
+                               model.weight.placement.take(saved["optimizer/weight/exp_avg_sq"]))
+    agree(ok and opt.steps == [1, 1] and opt.lr == 0.1, f"{version}: step {step}, {extra}")

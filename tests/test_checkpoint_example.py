@@ -119,15 +119,15 @@ KILL_DRIVER = """
 import os, signal, sys
 sys.path.insert(0, {examples!r})
 import burgers
-from pympar.checkpoint import api
+from pympar.checkpoint import saving
 calls = []
-real = api._commit
+real = saving._commit
 def commit(*args):
     calls.append(1)
     if len(calls) == 2:   # everything written and fsync'd, nothing committed yet
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*args)
-api._commit = commit
+saving._commit = commit
 sys.exit(burgers.main(sys.argv[1:]))
 """
 

@@ -156,11 +156,12 @@ def block_key(t: Tensor) -> int:
     return call_key(repr(boxes))
 
 
-def shares(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[list[tuple]]:
-    """Per tensor, the ``(global box, local box)`` pieces this rank writes (or verifies).
+def replicas(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """Per tensor, ``(count, index)``: how many ranks hold this rank's block, and which of
+    them this rank is; collective.
 
-    One all-gather of a small key per tensor finds the ranks holding the same block; they split
-    it. The distinct blocks must tile the full array exactly.
+    One all-gather of a small key per tensor finds the ranks holding the same block. The
+    distinct blocks must tile the full array exactly.
     """
     size = comm.Get_size()
     mine = np.array([[block_key(t), math.prod(t.placement.local_shape)] for t in tensors],
@@ -175,16 +176,32 @@ def shares(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[list[tuple]]:
         if int(every[first, i, 1].sum()) != math.prod(t.placement.shape):
             raise CheckpointError(f"tensor {t.name!r}: the ranks' blocks do not tile its full "
                                   f"shape {t.placement.shape} (inconsistent placements)")
-        count, index = len(holders), int(np.searchsorted(holders, rank))
-        pieces = []
-        for g, lo in t.placement.pieces():
-            share = replica_share(g, count, index)
-            if share is None:
-                continue
-            local = tuple(slice(l.start + s.start - gg.start, l.start + s.stop - gg.start)
-                          for l, s, gg in zip(lo, share, g))
-            pieces.append((share, local))
-        out.append(pieces)
+        out.append((len(holders), int(np.searchsorted(holders, rank))))
+    return out
+
+
+def share(piece: tuple, count: int, index: int) -> tuple | None:
+    """This replica's part ``(global box, local box)`` of a ``(global, local)`` piece that
+    ``count`` ranks hold, or None (:func:`~pympar.checkpoint.files.replica_share`)."""
+    g, lo = piece
+    part = replica_share(g, count, index)
+    if part is None:
+        return None
+    local = tuple(slice(l.start + s.start - gg.start, l.start + s.stop - gg.start)
+                  for l, s, gg in zip(lo, part, g))
+    return part, local
+
+
+def shares(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[list[tuple]]:
+    """Per tensor, the ``(global box, local box)`` pieces this rank writes; collective.
+
+    Ranks holding the same block (:func:`replicas`) split it, so that each writes about
+    ``1/count`` of it.
+    """
+    out = []
+    for t, (count, index) in zip(tensors, replicas(comm, tensors)):
+        parts = (share(piece, count, index) for piece in t.placement.pieces())
+        out.append([p for p in parts if p is not None])
     return out
 
 

@@ -7,11 +7,11 @@ or straight from/into the caller's array when that chunk is already contiguous h
 of the stored dtype, so a save or load needs at most one buffer (or one slab of the first
 axis, if larger) beyond the arrays themselves.
 
-The checksum is Adler-32 of a file's data bytes (everything after the header), the value
-``zlib.adler32(data)`` of a serial reader. Adler-32 can be assembled from pieces computed
-anywhere: a run of ``L`` bytes at offset ``o`` of ``N`` data bytes with Adler sums
-``(a, b)`` adds ``a - 1`` to the total's ``A`` and ``(N - o - L)(a - 1) + b - L`` to its
-``B`` (mod 65521). Each rank sums over the runs it owns; one all-reduce adds the ranks.
+Every byte written or read is fed to a checksum tally (:mod:`pympar.checkpoint.checksums`)
+in pieces of :data:`PIECE_BYTES`, each hashed right before it is written or right after it
+is read, while it is in the CPU's cache: the data are never read a second time to be
+verified. (A helper thread for the hashes measured slower: with every core busy reading,
+it only adds hand-offs of the GIL.)
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import ctypes
 import math
 import os
 import sys
-import zlib
-from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -29,12 +27,15 @@ import numpy as np
 from ..backend import is_cupy_array
 from ..partition import block_slice
 
-__all__ = ["ADLER_MOD", "Buffer", "box_runs", "replica_share", "write_box", "read_box",
-           "checksum_range", "adler_part", "adler_total", "pwrite_all", "start_writeback"]
+__all__ = ["Buffer", "box_runs", "replica_share", "write_box", "write_range", "read_box",
+           "read_range", "file_reader", "pwrite_all", "pread_all", "start_writeback"]
 
-ADLER_MOD = 65521
 #: Runs shorter than this many bytes are read as one span per chunk.
 SHORT_RUN = 64 * 1024
+#: Data are hashed and written, or read and hashed, in pieces of this many bytes (aligned in
+#: the file's data): a piece is still in the cache when it is hashed. (Reads of 64 KiB to
+#: 4 MiB pieces, interleaved in one process: 1 MiB read fastest with its hash.)
+PIECE_BYTES = 2**20
 Box = tuple  # tuple of slices over the full shape
 
 
@@ -99,8 +100,11 @@ def _host_chunk(src: Any, buffer: Buffer, dtype: np.dtype) -> np.ndarray:
     """``src`` as C-contiguous host memory of ``dtype``: itself when it already is, else a copy
     in the buffer (CuPy arrays are staged chunk by chunk)."""
     if is_cupy_array(src):
+        import cupy
+
         out = buffer.view(tuple(src.shape), dtype)
-        src.get(out=out)  # CuPy makes it contiguous itself (ascontiguousarray makes 0-d 1-d)
+        # ascontiguousarray makes a 0-d array 1-d: the reshape keeps the shapes equal.
+        cupy.ascontiguousarray(src).reshape(out.shape).get(out=out)
         return out
     if src.flags.c_contiguous and src.dtype == dtype:
         return src
@@ -126,88 +130,58 @@ def _chunks(box: Box, extents: list[int], itemsize: int, buffer: Buffer,
         yield r0, r1, (slice(box[0].start + r0, box[0].start + r1),) + tuple(box[1:])
 
 
-def adler_part(data: Any, offset: int, total: int) -> tuple[int, int]:
-    """Contribution of ``data`` at byte ``offset`` to the Adler-32 sums of ``total`` bytes."""
-    value = zlib.adler32(data)
-    a, b, n = value & 0xFFFF, value >> 16, len(data)
-    return (a - 1) % ADLER_MOD, ((total - offset - n) * (a - 1) + b - n) % ADLER_MOD
-
-
-def adler_total(parts: np.ndarray, total: int) -> int:
-    """The Adler-32 value of ``total`` bytes from the summed contributions ``(A, B)``."""
-    a = (1 + int(parts[0])) % ADLER_MOD
-    b = (total + int(parts[1])) % ADLER_MOD
-    return (b << 16) | a
-
-
 def write_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, src: Any,
-              dtype: np.dtype, buffer: Buffer, sums: np.ndarray,
-              checksums: Executor | None = None) -> None:
+              dtype: np.dtype, buffer: Buffer, tally: Any) -> None:
     """Write ``src`` (the box's values, any layout, NumPy or CuPy) into its runs of the file.
 
     ``dtype`` is the stored dtype (``src`` must already have its kind, e.g. bfloat16 viewed
-    as uint16; only the byte order may differ); the Adler-32 contributions of the written
-    bytes are added to ``sums`` (``[A, B]``). Chunks that are C-contiguous host memory of
-    ``dtype`` are written straight from ``src``, others through the buffer. With
-    ``checksums`` (one worker thread) a chunk's checksum runs while it is being written:
-    ``zlib`` and ``os.pwrite`` both release the GIL. A contiguous chunk's write-back to the
-    disk is started as soon as it is written, so the disk works while later chunks are copied.
+    as uint16; only the byte order may differ); every written byte is fed to ``tally``
+    (:func:`write_range`). Chunks that are C-contiguous host memory of ``dtype`` are written
+    straight from ``src``, others through the buffer. A contiguous chunk's write-back to the
+    disk is started as soon as it is written, so the disk works while later chunks are
+    copied.
     """
     extents = [s.stop - s.start for s in box]
-    total = math.prod(shape) * dtype.itemsize
-    pending: list[Any] = []
     for r0, r1, sub in _chunks(box, extents, dtype.itemsize, buffer):
         starts, length = box_runs(shape, sub)
         if not len(starts):
             continue
         part = src[r0:r1] if extents else src
-        if not _is_direct(part, dtype):  # the buffer is refilled: its checksum must be done
-            _drain(pending, sums, 0)
         flat = memoryview(_host_chunk(part, buffer, dtype)).cast("B")
         nbytes = length * dtype.itemsize
         offsets = (starts * dtype.itemsize).tolist()
-        if checksums is None:
-            pending.append(_Done(_adler_runs(flat, offsets, nbytes, total)))
-        else:
-            pending.append(checksums.submit(_adler_runs, flat, offsets, nbytes, total))
         for k, offset in enumerate(offsets):
-            pwrite_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
+            write_range(fd, data_offset, offset, flat[k * nbytes:(k + 1) * nbytes], tally)
         if len(offsets) == 1:  # a span with gaps holds other ranks' runs: its pages, written
             start_writeback(fd, data_offset + offsets[0], nbytes)  # back now, would go twice
-        _drain(pending, sums, 1)  # at most one checksum (of this chunk) left running
-    _drain(pending, sums, 0)
 
 
-class _Done:
-    """A computed value with the interface of a finished future."""
+def write_range(fd: int, data_offset: int, start: int, data: memoryview, tally: Any) -> None:
+    """Write ``data`` at data byte ``start``, in pieces of :data:`PIECE_BYTES` (aligned in
+    the data), each fed to ``tally`` first."""
+    pos, n = 0, len(data)
+    while pos < n:
+        stop = min(n, ((start + pos) // PIECE_BYTES + 1) * PIECE_BYTES - start)
+        tally.feed(start + pos, data[pos:stop])
+        pwrite_all(fd, data[pos:stop], data_offset + start + pos)
+        pos = stop
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
-    def result(self) -> Any:
-        return self.value
-
-
-def _drain(pending: list[Any], sums: np.ndarray, leave: int) -> None:
-    while len(pending) > leave:
-        a, b = pending.pop(0).result()
-        sums[0] += a
-        sums[1] += b
+def _feed_runs(tally: Any, flat: memoryview, offsets: list[int], nbytes: int,
+               verify: tuple[int, int] | None, positions: list[int] | None = None) -> None:
+    """Feed the runs of ``flat`` (run ``k`` at data byte ``offsets[k]``, found at byte
+    ``positions[k]`` of ``flat``, else at ``k * nbytes``) to ``tally``, each cut to the data
+    bytes ``verify`` (all when None)."""
+    lo, hi = verify if verify is not None else (0, math.inf)
+    for k, offset in enumerate(offsets):
+        a, b = max(offset, lo), min(offset + nbytes, hi)
+        if a < b:
+            at = (k * nbytes if positions is None else positions[k]) + a - offset
+            tally.feed(a, flat[at:at + b - a])
 
 
 def _is_direct(part: Any, dtype: np.dtype) -> bool:
     return isinstance(part, np.ndarray) and part.flags.c_contiguous and part.dtype == dtype
-
-
-def _adler_runs(flat: memoryview, offsets: list[int], nbytes: int,
-                total: int) -> tuple[int, int]:
-    """Summed Adler-32 contributions of equal runs of ``flat`` at data byte ``offsets``."""
-    a_sum = b_sum = 0
-    for k, offset in enumerate(offsets):
-        a, b = adler_part(flat[k * nbytes:(k + 1) * nbytes], offset, total)
-        a_sum += a
-        b_sum += b
-    return a_sum % ADLER_MOD, b_sum % ADLER_MOD
 
 
 def _sync_file_range() -> Any:
@@ -237,16 +211,43 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def read_range(fd: int, data_offset: int, start: int, into: memoryview, tally: Any = None,
+               verify: tuple[int, int] | None = None) -> None:
+    """Read data bytes ``[start, start + len(into))`` of the file straight into ``into``.
+
+    Pieces of :data:`PIECE_BYTES` (aligned in the data) are fed to ``tally`` as they arrive,
+    cut to the data bytes ``verify`` (all when None); no tally, nothing is fed.
+    """
+    pos, n = 0, len(into)
+    lo, hi = verify if verify is not None else (start, start + n)
+    while pos < n:
+        stop = min(n, ((start + pos) // PIECE_BYTES + 1) * PIECE_BYTES - start)
+        pread_all(fd, into[pos:stop], data_offset + start + pos)
+        a, b = max(start + pos, lo), min(start + stop, hi)
+        if tally is not None and a < b:
+            tally.feed(a, into[a - start:b - start])
+        pos = stop
+
+
 def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: Any,
-             dtype: np.dtype, buffer: Buffer) -> None:
+             dtype: np.dtype, buffer: Buffer, tally: Any = None,
+             verify: tuple[int, int] | None = None) -> None:
     """Read the box's runs of the file into ``dst`` (NumPy or CuPy, any layout).
 
-    Reads go straight into ``dst`` when a chunk of it is contiguous host memory of ``dtype``,
-    else through the buffer. Short runs (narrow column blocks) are read as one span per
-    chunk and the box is picked out of it with strides: one system call instead of one per
-    run, at the price of reading the neighbours' bytes of that span.
+    A box that is one contiguous run read into contiguous host memory of ``dtype`` goes
+    straight into ``dst`` (:func:`read_range`). Otherwise chunks go straight into ``dst``
+    when they are contiguous host memory of ``dtype``, else through the buffer. Short runs
+    (narrow column blocks) are read as one span per chunk and the box is picked out of it
+    with strides: one system call instead of one per run, at the price of reading the
+    neighbours' bytes of that span. With ``tally``, the box's bytes within the data bytes
+    ``verify`` (all when None) are fed to it as they are read.
     """
     extents = [s.stop - s.start for s in box]
+    starts, length = box_runs(shape, box)
+    if len(starts) == 1 and _is_direct(dst, dtype):
+        read_range(fd, data_offset, int(starts[0]) * dtype.itemsize,
+                   memoryview(dst).cast("B"), tally, verify)
+        return
     strides = [math.prod(shape[k + 1:]) * dtype.itemsize for k in range(len(shape))]
     for r0, r1, sub in _chunks(box, extents, dtype.itemsize, buffer, span=shape):
         starts, length = box_runs(shape, sub)
@@ -255,45 +256,44 @@ def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: A
         part = dst[r0:r1] if extents else dst
         chunk_shape = tuple([r1 - r0] + extents[1:]) if extents else ()
         nbytes = length * dtype.itemsize
+        offsets = (starts * dtype.itemsize).tolist()
+        direct = _is_direct(part, dtype)
         if len(starts) > 1 and nbytes < SHORT_RUN:
-            first = int(starts[0]) * dtype.itemsize
-            span = int(starts[-1]) * dtype.itemsize + nbytes - first
+            first = offsets[0]
+            span = offsets[-1] + nbytes - first
             raw = buffer.view((span,), np.dtype(np.uint8))
-            _pread_all(fd, memoryview(raw), data_offset + first)
+            pread_all(fd, memoryview(raw), data_offset + first)
+            if tally is not None:
+                _feed_runs(tally, memoryview(raw), offsets, nbytes, verify,
+                           [o - first for o in offsets])
             # The span starts at the chunk's first element: the full array's strides pick it.
             host = np.lib.stride_tricks.as_strided(raw.view(dtype), chunk_shape, strides,
                                                    writeable=False)
         else:
-            direct = (isinstance(part, np.ndarray) and part.flags.c_contiguous
-                      and part.dtype == dtype)
             host = part if direct else buffer.view(chunk_shape, dtype)
             flat = memoryview(host).cast("B")
-            for k, start in enumerate(starts.tolist()):
-                _pread_all(fd, flat[k * nbytes:(k + 1) * nbytes],
-                           data_offset + start * dtype.itemsize)
+            for k, offset in enumerate(offsets):
+                pread_all(fd, flat[k * nbytes:(k + 1) * nbytes], data_offset + offset)
+            if tally is not None:
+                _feed_runs(tally, flat, offsets, nbytes, verify)
             if direct:
                 continue
         if is_cupy_array(part):
             import cupy
 
-            part[...] = cupy.asarray(host)  # np.ascontiguousarray would make a 0-d host 1-d
+            part[...] = cupy.asarray(np.ascontiguousarray(host))
         else:
             part[...] = host
 
 
-def checksum_range(fd: int, data_offset: int, start: int, stop: int, total: int,
-                   buffer: Buffer, sums: np.ndarray) -> None:
-    """Add the Adler-32 contributions of data bytes ``[start, stop)`` to ``sums``.
-
-    Verification splits each file into one contiguous range per rank, whatever the layout.
-    """
-    for lo in range(start, stop, buffer.nbytes):
-        hi = min(lo + buffer.nbytes, stop)
-        raw = memoryview(buffer.view((hi - lo,), np.dtype(np.uint8)))
-        _pread_all(fd, raw, data_offset + lo)
-        a, b = adler_part(raw, lo, total)
-        sums[0] += a
-        sums[1] += b
+def file_reader(fd: int, data_offset: int, buffer: Buffer) -> Any:
+    """``read(offset, nbytes)``: up to ``nbytes`` data bytes of the file from ``offset``,
+    read into the buffer (a memoryview of it)."""
+    def read(offset: int, nbytes: int) -> memoryview:
+        into = memoryview(buffer.view((min(nbytes, buffer.nbytes),), np.dtype(np.uint8)))
+        pread_all(fd, into, data_offset + offset)
+        return into
+    return read
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -303,7 +303,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[done:], offset + done
 
 
-def _pread_all(fd: int, into: memoryview, offset: int) -> None:
+def pread_all(fd: int, into: memoryview, offset: int) -> None:
+    """Fill all of ``into`` from ``offset`` (``EOFError`` where the file ends first)."""
     while len(into):
         got = os.preadv(fd, [into], offset)
         if got == 0:

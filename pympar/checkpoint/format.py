@@ -3,10 +3,15 @@
 A checkpoint is a directory with one C-order ``.npy`` file per logical tensor (the full
 serial-layout array) and ``manifest.json``, written last::
 
-    {"format": "pympar-checkpoint", "version": 1, "step": 100, "extra": {...},
+    {"format": "pympar-checkpoint", "version": 2, "step": 100, "extra": {...},
      "optimizer": {"type": "AdamW", "hyperparameters": {...}, "steps": {name: int}} or null,
      "tensors": {name: {"file": "t00000.npy", "shape": [...], "dtype": "float32",
-                        "checksum": "adler32:0a1b2c3d"}}}
+                        "chunk_bytes": 262144, "xxh3_64": ["0123456789abcdef", ...]}}}
+
+``xxh3_64`` lists the xxHash3-64 digest of each ``chunk_bytes``-long chunk of the file's data
+(everything after the header; the last chunk may be shorter; none for an empty array).
+Version 1 (still read) had one ``"checksum": "adler32:0a1b2c3d"`` per tensor instead: Adler-32
+of the whole data.
 
 Nothing here trusts the manifest: every file name, dtype and shape is checked before a byte
 of tensor data is read, and every header is compared with its manifest entry.
@@ -15,7 +20,9 @@ of tensor data is read, and every header is compared with its manifest entry.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import stat
 from typing import Any
 
@@ -24,12 +31,22 @@ from numpy.lib import format as npformat
 
 from ..backend import bfloat16
 
-__all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "stored_dtype", "logical_dtype",
-           "npy_header", "parse_manifest", "check_header"]
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "CHUNK_BYTES", "CheckpointError", "stored_dtype",
+           "logical_dtype", "npy_header", "parse_manifest", "check_header", "chunk_count",
+           "hex_digests"]
 
 FORMAT = "pympar-checkpoint"
-VERSION = 1
+#: The version :func:`~pympar.checkpoint.save` writes; :func:`~pympar.checkpoint.load` also
+#: reads version 1 (Adler-32 checksums).
+VERSION = 2
 MANIFEST = "manifest.json"
+#: Bytes of data per xxHash3-64 digest in a checkpoint of version 2.
+CHUNK_BYTES = 256 * 1024
+#: The largest ``chunk_bytes`` a manifest may declare (a chunk's tail is read in one piece).
+_CHUNK_LIMIT = 64 * 2**20
+_HEX16 = re.compile(r"(?:[0-9a-f]{16})*")
+_ENTRY_KEYS = {1: {"file", "shape", "dtype", "checksum"},
+               2: {"file", "shape", "dtype", "chunk_bytes", "xxh3_64"}}
 
 #: Logical dtypes a checkpoint may hold (bool, integers, floats, complex, bfloat16).
 _KINDS = "biufc"
@@ -75,6 +92,46 @@ def logical_dtype(name: Any, what: str) -> np.dtype:
         raise CheckpointError(f"tensor {what!r}: dtype {name!r} is refused (object, structured "
                               "or unknown dtypes are never loaded)")
     return dtype
+
+
+def chunk_count(total: int, chunk: int = CHUNK_BYTES) -> int:
+    """The number of digests of ``total`` data bytes in chunks of ``chunk`` bytes."""
+    return -(-int(total) // int(chunk))
+
+
+def hex_digests(digests: np.ndarray) -> list[str]:
+    """The manifest's form of a file's digests: one 16-digit lowercase hex string each."""
+    return [f"{int(d):016x}" for d in digests]
+
+
+def _parse_digests(value: Any, count: int, what: str) -> np.ndarray:
+    """A manifest's digest list as uint64, refused unless ``count`` 16-digit hex strings."""
+    if not isinstance(value, list) or len(value) != count or not all(
+            isinstance(v, str) and len(v) == 16 for v in value):
+        raise CheckpointError(f"tensor {what!r}: 'xxh3_64' must be a list of {count} 16-digit "
+                              "hex strings (one per chunk)")
+    text = "".join(value)
+    if not _HEX16.fullmatch(text):
+        raise CheckpointError(f"tensor {what!r}: 'xxh3_64' holds a value that is not lowercase "
+                              "hex")
+    return np.frombuffer(bytes.fromhex(text), dtype=">u8").astype(np.uint64)
+
+
+def _parse_checksum(entry: dict[str, Any], version: int, name: str) -> None:
+    """Check an entry's checksum fields; set ``adler32`` (version 1) or ``chunk_bytes`` and
+    ``digests`` (version 2)."""
+    if version == 1:
+        checksum = entry["checksum"]
+        if not (isinstance(checksum, str) and re.fullmatch("adler32:[0-9a-f]{8}", checksum)):
+            raise CheckpointError(f"tensor {name!r}: checksum {checksum!r} is not adler32:<8 hex>")
+        entry["adler32"] = int(checksum[8:], 16)
+        return
+    chunk = entry["chunk_bytes"]
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 < chunk <= _CHUNK_LIMIT:
+        raise CheckpointError(f"tensor {name!r}: chunk_bytes {chunk!r} is not a size between 1 "
+                              f"and {_CHUNK_LIMIT}")
+    total = math.prod(entry["shape"]) * entry["stored"].itemsize
+    entry["digests"] = _parse_digests(entry["xxh3_64"], chunk_count(total, chunk), name)
 
 
 def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
@@ -129,9 +186,10 @@ def parse_manifest(directory: str, text: bytes) -> dict[str, Any]:
         raise CheckpointError(f"{MANIFEST} is not valid JSON: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{MANIFEST} is not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint format version {manifest.get('version')!r} is not "
-                              f"supported (this pympar reads version {VERSION})")
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in _ENTRY_KEYS:
+        raise CheckpointError(f"checkpoint format version {version!r} is not supported (this "
+                              f"pympar reads versions {', '.join(map(str, _ENTRY_KEYS))})")
     tensors = manifest.get("tensors")
     if not isinstance(tensors, dict):
         raise CheckpointError(f"{MANIFEST}: 'tensors' must be an object")
@@ -140,17 +198,13 @@ def parse_manifest(directory: str, text: bytes) -> dict[str, Any]:
         raise CheckpointError(f"{MANIFEST}: 'step' must be an integer or null, got {step!r}")
     files = set()
     for name, entry in tensors.items():
-        if not isinstance(entry, dict) or set(entry) != {"file", "shape", "dtype", "checksum"}:
-            raise CheckpointError(f"tensor {name!r}: manifest entry must have exactly file, "
-                                  "shape, dtype and checksum")
+        if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS[version]:
+            raise CheckpointError(f"tensor {name!r}: a version {version} manifest entry must "
+                                  f"have exactly {', '.join(sorted(_ENTRY_KEYS[version]))}")
         shape = entry["shape"]
         if not isinstance(shape, list) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
             raise CheckpointError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-        checksum = entry["checksum"]
-        if not (isinstance(checksum, str) and checksum.startswith("adler32:")
-                and len(checksum) == 16):
-            raise CheckpointError(f"tensor {name!r}: checksum {checksum!r} is not adler32:<8 hex>")
         if entry["file"] in files:
             raise CheckpointError(f"tensor {name!r}: file {entry['file']!r} is named twice")
         files.add(entry["file"])
@@ -158,19 +212,27 @@ def parse_manifest(directory: str, text: bytes) -> dict[str, Any]:
         entry["logical"] = logical_dtype(entry["dtype"], name)
         entry["stored"] = stored_dtype(entry["logical"])
         entry["shape"] = tuple(shape)
-        entry["adler32"] = int(checksum[8:], 16)
+        _parse_checksum(entry, version, name)
     return manifest
 
 
 def check_header(entry: dict[str, Any], name: str) -> int:
     """Compare a ``.npy`` file's header with its manifest entry; return the data offset.
 
-    The header is parsed with NumPy's own reader (a literal, never evaluated code); the file
-    must hold exactly the data its shape and dtype need (a truncated file is refused).
+    A header byte for byte equal to the one :func:`npy_header` writes for the entry is
+    accepted as it is; any other is parsed with NumPy's own reader (a literal, never
+    evaluated code) and compared. The file must hold exactly the data its shape and dtype
+    need (a truncated file is refused).
     """
     path = entry["path"]
+    expected = npy_header(entry["shape"], entry["stored"])
+    need = len(expected) + math.prod(entry["shape"]) * entry["stored"].itemsize
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == need and f.read(len(expected)) == expected:
+                return len(expected)
+            f.seek(0)
             version = npformat.read_magic(f)
             if version == (1, 0):
                 shape, fortran, dtype = npformat.read_array_header_1_0(f)
@@ -188,7 +250,7 @@ def check_header(entry: dict[str, Any], name: str) -> int:
                               f"{tuple(shape)}, dtype {dtype}, fortran_order {fortran}) disagrees "
                               f"with the manifest (shape {entry['shape']}, dtype "
                               f"{entry['stored']})")
-    need = offset + int(np.prod(entry["shape"], dtype=np.int64)) * entry["stored"].itemsize
+    need = offset + math.prod(entry["shape"]) * entry["stored"].itemsize
     if size != need:
         raise CheckpointError(f"tensor {name!r}: {entry['file']} holds {size} bytes, its header "
                               f"needs {need} (truncated or padded file)")
