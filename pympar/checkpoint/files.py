@@ -281,7 +281,7 @@ def read_box(fd: int, data_offset: int, shape: tuple[int, ...], box: Box, dst: A
         if is_cupy_array(part):
             import cupy
 
-            part[...] = cupy.asarray(np.ascontiguousarray(host))
+            part[...] = cupy.asarray(host)  # np.ascontiguousarray would make a 0-d host 1-d
         else:
             part[...] = host
 
