@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 from numpy.lib import format as npformat
 
-from ..backend import bfloat16
+from .. import backend
+from ..backend import is_bfloat16
 
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "CHUNK_BYTES", "CheckpointError", "stored_dtype",
            "logical_dtype", "npy_header", "parse_manifest", "check_header", "chunk_count",
@@ -59,7 +60,7 @@ class CheckpointError(RuntimeError):
 def logical_name(dtype: Any) -> str:
     """The manifest's name of a dtype (``"bfloat16"`` for ml_dtypes' bfloat16)."""
     dtype = np.dtype(dtype)
-    if bfloat16 is not None and dtype == bfloat16:
+    if is_bfloat16(dtype):
         return "bfloat16"
     return dtype.name
 
@@ -67,7 +68,7 @@ def logical_name(dtype: Any) -> str:
 def stored_dtype(dtype: Any) -> np.dtype:
     """The dtype written to the file: bfloat16 travels as little-endian uint16."""
     dtype = np.dtype(dtype)
-    if bfloat16 is not None and dtype == bfloat16:
+    if is_bfloat16(dtype):
         return np.dtype("<u2")
     if dtype.kind not in _KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise CheckpointError(f"dtype {dtype} cannot be checkpointed (need bool, integer, "
@@ -78,9 +79,9 @@ def stored_dtype(dtype: Any) -> np.dtype:
 def logical_dtype(name: Any, what: str) -> np.dtype:
     """The dtype a manifest names, refused unless plain numeric (or ``"bfloat16"``)."""
     if name == "bfloat16":
-        if bfloat16 is None:
+        if backend.bfloat16 is None:  # ml_dtypes is imported here, on first need
             raise CheckpointError(f"tensor {what!r} is bfloat16 and ml_dtypes is not installed")
-        return bfloat16
+        return backend.bfloat16
     try:
         if not isinstance(name, str):
             raise TypeError

@@ -19,16 +19,17 @@ modes that stand for two conjugate coefficients (:func:`scale_conjugate_pairs`).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Sequence
 
 import numpy
 
 from .. import backend
 
-try:
-    import scipy.fft as _scipy_fft
-except ImportError:  # NumPy's transforms then
-    _scipy_fft = None
+_UNLOADED: Any = object()
+# scipy.fft is imported at the first transform, not with pympar.modules (it takes longer to
+# import than the rest of pympar); None: NumPy's transforms.
+_scipy_fft: Any = _UNLOADED if importlib.util.find_spec("scipy") is not None else None
 
 __all__ = ["ADJOINT_NORM", "NORMS", "LIBRARY", "c2c", "r2c", "c2r", "scale_conjugate_pairs"]
 
@@ -43,7 +44,10 @@ LIBRARY = "numpy.fft" if _scipy_fft is None else "scipy.fft"
 
 
 def _call(x: Any, name: str, overwrite: bool, **kw: Any) -> Any:
+    global _scipy_fft
     if type(x) is numpy.ndarray:
+        if _scipy_fft is _UNLOADED:
+            import scipy.fft as _scipy_fft
         if _scipy_fft is not None:
             return getattr(_scipy_fft, name)(x, workers=1, overwrite_x=overwrite, **kw)
         return getattr(numpy.fft, name)(x, **kw)
