@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
-from . import _board
 from . import collectives as _collectives
+from ._comm_state import CommState
 
 __all__ = ["Group"]
 
@@ -68,16 +68,8 @@ class Group:
             raise ValueError(f"group {name}: communicator has {self.size} ranks "
                              f"but {len(self.ranks)} global ranks were given")
         self._owns_comm = owns_comm
-        # Per-group caches of the collectives: MPI counts and displacements per
-        # (operation, shape, dtype, axis, sizes), and scratch arrays per
-        # (slot, shape, dtype), so that the hot path computes and allocates
-        # nothing after the first call.
-        self._plans: dict[tuple, Any] = {}
-        self._buffers: dict[tuple, Any] = {}
-        # The agreement check's board: shared memory when every member shares a node,
-        # else messages (collective: every rank creates its groups in the same order);
-        # None for a group of one rank.
-        self._board = _board.create(comm)
+        # The collectives' plans, scratch buffers and agreement board (collective).
+        self._state = CommState(comm)
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank}, size={self.size})"
@@ -106,9 +98,8 @@ class Group:
         ValueError, TypeError
             For an unknown ``op``, max/min of complex, a dtype MPI cannot reduce, or a
             wrong ``out``.
-        pympar.debug.CollectiveMismatchError
-            On every rank, when ranks pass different shapes, dtypes or ops (checked by
-            default; see :data:`pympar.collectives.CHECK_BYTES`).
+        pympar.errors.CollectiveMismatchError
+            On every rank, when ranks pass different shapes, dtypes or ops.
         """
         return _collectives.all_reduce(self, x, op, out)
 
@@ -128,8 +119,8 @@ class Group:
             Where to write the result; must not overlap ``x``.
         sizes : sequence of int, optional
             Every rank's extent along ``axis``, indexed by rank in this group, when the
-            caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it every
-            rank's extent travels with the call's agreement check (no extra message).
+            caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it the
+            ranks learn each other's extents in one small exchange.
 
         Returns
         -------
@@ -181,7 +172,7 @@ class Group:
             Where to write the result; must not overlap ``x``.
         sizes : sequence of int, optional
             Every rank's extent along ``concat_axis``, indexed by group rank; otherwise
-            they travel with the call's agreement check.
+            the ranks learn them in one small exchange.
 
         Returns
         -------
@@ -217,8 +208,7 @@ class Group:
         large temporaries (at most 16 arrays, 2 GiB, per group) after a phase
         with big messages.
         """
-        self._plans.clear()
-        self._buffers.clear()
+        self._state.release()
 
     def barrier(self) -> None:
         """Block until every member has reached the barrier.
@@ -240,10 +230,7 @@ class Group:
 
     def free(self) -> None:
         """Free the communicator (collective) and unmap the check's board; idempotent."""
-        if self._board is not None:
-            self._board.free()
-            self._board = None
+        self._state.free()
         if self._owns_comm and not self.freed:
             self.comm.Free()
         self.comm = MPI.COMM_NULL
-        self.release_buffers()

@@ -1,8 +1,7 @@
 """Communication accounting: calls, bytes and seconds per (group, operation).
 
-Collectives report to every active :class:`Recorder`; with none active the
-collective pays a single branch (a module flag it already checks for debug
-mode). Recorders nest: each one started inside another sees the calls made while
+Collectives report to every active :class:`Recorder`; with none active a
+collective pays one branch. Recorders nest: each one started inside another sees the calls made while
 it is active, and the outer one still sees them too::
 
     with pympar.stats.record() as rec:
@@ -15,23 +14,14 @@ This module imports nothing from pympar, so the collectives can import it.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Recorder", "record", "add", "is_recording"]
 
 #: Recorders currently collecting, innermost last.
 _active: list["Recorder"] = []
 
-#: Called with no argument whenever :data:`_active` changes (the collectives
-#: keep one combined "any hook on" flag so their fast path has one branch).
-_listeners: list[Callable[[], None]] = []
-
 _FIELDS = ("calls", "bytes_in", "bytes_out", "seconds")
-
-
-def _notify() -> None:
-    for listener in _listeners:
-        listener()
 
 
 def is_recording() -> bool:
@@ -76,7 +66,6 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         _active.append(self)
-        _notify()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -86,7 +75,6 @@ class Recorder:
             if _active[i] is self:
                 del _active[i]
                 break
-        _notify()
 
     def add(self, group: str, operation: str, bytes_in: int, bytes_out: int,
             seconds: float) -> None:

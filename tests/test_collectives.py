@@ -264,7 +264,7 @@ def test_reduce_scatter(xp, group, axis):
 
 @pytest.mark.mpi(min_size=1)
 def test_hidden_axis_blocks_through_large_scratch(group):
-    """Scratch buffers of 8 MiB and more (allocated apart, page-aligned) carry the right data."""
+    """Scratch buffers of 8 MiB and more carry the right data."""
     p, r = group.size, group.rank
     rng = np.random.default_rng(7)
     full = [random(rng, (256, 8192), np.dtype(np.float32)) for _ in range(p)]  # 8 MiB each
@@ -358,11 +358,11 @@ def test_argument_errors_raise_on_every_rank(group):
 
 @pytest.mark.mpi(min_size=2)
 def test_an_out_refused_on_one_rank_raises_on_every_rank(group):
-    """A checked call whose out= one rank refuses: every rank raises, none waits in MPI."""
+    """A call whose out= one rank refuses: every rank raises, none waits in MPI."""
     if group.size < 2:
         pytest.skip("needs a group of at least 2 ranks")
     p, r = group.size, group.rank
-    n = -(-collectives.CHECK_BYTES // (8 * p)) + 1  # the global array >= CHECK_BYTES
+    n = 3
     x = np.ones((p, n))
     wrong = r == p - 1
     mine = len(np.array_split(np.empty(n), p)[r])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import debug, manager, mappings, stats
+from pympar import collectives, debug, manager, mappings, stats
 from pympar.mesh import Mesh
 from pympar.modules.parallel_linear import ColumnParallelLinear
 import test_collectives as shared
@@ -228,7 +228,7 @@ def test_old_size_keyword_still_works_with_a_deprecation_warning(group):
 @pytest.mark.mpi(min_size=1)
 def test_label_names_collectives_in_stats(group):
     x = np.ones((2, 3))
-    with stats.record() as rec, mappings.label("MyLayer.backward"):
+    with stats.record() as rec, collectives.label("MyLayer.backward"):
         group.all_reduce(x)
         mappings.reduce_from_all(x, group)
     names = {op for (_, op) in rec.rows}
