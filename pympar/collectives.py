@@ -202,13 +202,11 @@ def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
 
 
 def _dest(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
-    """The C-contiguous array MPI (or the unpacking) writes: None for a new result, ``out``
-    itself, or scratch for a non-contiguous ``out``; raises for an ``out`` that does not
+    """The C-contiguous array MPI (or the unpacking) writes for ``out``: ``out`` itself, or
+    scratch for a non-contiguous one; raises for an ``out`` that does not
     fit or that overlaps ``x`` (``out`` may be ``x`` itself where the operation allows)."""
-    if out is None:
-        return None
     if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        if _overlaps(out, x):
+        if out is not x and (out.base is not None or x.base is not None) and _overlaps(out, x):
             raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
                              f"pass a separate array")
         return out if out.flags.c_contiguous else \
@@ -241,9 +239,9 @@ def _run(group: Communicator, plan: Plan, x: Any, out: Any, name: str | None,
         x = x.astype(x.dtype.newbyteorder("="))
     own = name
     if _agreement._label is not None:
-        name = _agreement.within(name)
+        name = f"{_agreement._label}/{name}" if name else _agreement._label
     try:
-        dest = _dest(group, plan, x, out)
+        dest = None if out is None else _dest(group, plan, x, out)
     except (TypeError, ValueError) as err:
         if not checked:
             refuse(group, plan.key[0], err)
@@ -297,7 +295,13 @@ def _move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
         timed = debug._timeout is not None and type(wrecv) is np.ndarray
         try:
             if plan.chunk is None and not timed:
-                call(*_args(plan, wsend, wrecv))
+                receive = [wrecv, *plan.recv_spec]
+                if wsend is None:
+                    call(receive, *plan.tail)
+                elif wsend is _IN_PLACE:
+                    call(wsend, receive, *plan.tail)
+                else:
+                    call([wsend, *plan.send_spec], receive, *plan.tail)
             else:
                 _call_in_parts(group, plan, wsend, wrecv, timed)
         except MPI.Exception as err:
@@ -354,7 +358,8 @@ def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
                label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.all_reduce`; ``label`` names the caller."""
     try:
-        x = as_array(x, label or "all_reduce")
+        if type(x) is not np.ndarray:
+            x = as_array(x, label or "all_reduce")
         key = ("all_reduce", x.shape, x.dtype, op)
         plan = group._state.plans.get(key)
         if plan is None:
@@ -372,7 +377,8 @@ def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
               label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.broadcast`; ``label`` names the caller."""
     try:
-        x = as_array(x, label or "broadcast")
+        if type(x) is not np.ndarray:
+            x = as_array(x, label or "broadcast")
         key = ("broadcast", x.shape, x.dtype, root)
         plan = group._state.plans.get(key)
         if plan is None:
@@ -422,7 +428,8 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
     """Body of :meth:`pympar.group.Group.all_gather`; ``label`` names the caller."""
     checked = False
     try:
-        x = as_array(x, label or "all_gather")
+        if type(x) is not np.ndarray:
+            x = as_array(x, label or "all_gather")
         if type(sizes) is not tuple or not x.ndim:
             if not x.ndim:
                 raise ValueError("all_gather needs an array of at least one dimension")
@@ -458,7 +465,8 @@ def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
                    op: str = "sum", label: str | None = None) -> Any:
     """Body of :meth:`pympar.group.Group.reduce_scatter`; ``label`` names the caller."""
     try:
-        x = as_array(x, label or "reduce_scatter")
+        if type(x) is not np.ndarray:
+            x = as_array(x, label or "reduce_scatter")
         key = ("reduce_scatter", x.shape, x.dtype, axis, op)
         plan = group._state.plans.get(key)
         if plan is None:
@@ -509,7 +517,8 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
     """Body of :meth:`pympar.group.Group.all_to_all`; ``label`` names the caller."""
     checked = False
     try:
-        x = as_array(x, label or "all_to_all")
+        if type(x) is not np.ndarray:
+            x = as_array(x, label or "all_to_all")
         if type(sizes) is not tuple:
             split, cat = _split_concat(x, split_axis, concat_axis)
             masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]

@@ -140,7 +140,8 @@ def _local(x: Any, name: str | None) -> Any:
 
 
 def _identity(group: Group, x: Any, out: Any, sizes: Any = None, name: Any = None, /) -> Any:
-    x = _local(x, name)
+    if type(x) is not _NDARRAY:
+        x = _local(x, name)
     if out is None or out is x:
         return x
     out[...] = x
@@ -210,8 +211,71 @@ _step(_all_reduce)
 # ----------------------------------------------------------------- mapping
 
 
-class Mapping:
-    """A layout change (``__call__``) and its adjoint (:meth:`backward`).
+class _Direction:
+    """One direction of a mapping; calling it is the one path of every mapping call.
+
+    Parameters
+    ----------
+    mapping : Mapping
+        The mapping it belongs to (its name and default group).
+    step : callable
+        ``step(group, x, out, sizes, label, **options) -> y``.
+    label : str
+        What its collective is labelled (``"copy_to_all.backward"``).
+    """
+
+    def __init__(self, mapping: Mapping, step: Step, label: str) -> None:
+        self._mapping, self._step, self._label = mapping, step, label
+
+    def __call__(self, x: Any, group: Group | None = None, *, out: Any = None,
+                 global_size: int | None = None, **options: Any) -> Any:
+        """Apply this direction's layout change.
+
+        Parameters
+        ----------
+        x : numpy.ndarray or cupy.ndarray
+            This rank's input (or, for the backward, the gradient of the output).
+        group : Group, optional
+            The group; the current TP group (CP group for the all-to-all pair) when None.
+        out : array, optional
+            Where to write the result (for communicating steps, a buffer reused across
+            calls avoids allocation).
+        global_size : int, optional
+            For a step that gathers: the global extent of the gathered axis (the sum of
+            every rank's block, not a rank count); without it the ranks learn their
+            block sizes in one small exchange. ``size=`` is its deprecated former name.
+        **options
+            Mapping-specific keywords (``seq_axis``, ``head_axis``; the backward of
+            ``gather_from_sequence`` takes ``tensor_parallel_output_grad``, default True).
+
+        Returns
+        -------
+        array
+            The result, of ``x``'s array module and dtype; ``x`` itself on a group of one
+            rank.
+        """
+        if options and "size" in options:
+            warnings.warn("the size= keyword of pympar mappings is deprecated; use "
+                          "global_size= (the global extent of the gathered axis)",
+                          DeprecationWarning, stacklevel=2)
+            global_size = options.pop("size")
+        step, name = self._step, self._label
+        if type(group) is not Group:
+            group = manager.resolve_group(group, self._mapping.name, self._mapping.default_axis)
+        if (global_size is not None and step.gathered is None) or (
+                options and not step.options.issuperset(options)):
+            _refuse_options(step, name, group, global_size, options)
+        if group.size == 1:
+            return _alone(step, name, x, out, global_size, options)
+        sizes = None if global_size is None else collectives.balanced_sizes(global_size,
+                                                                            group.size)
+        # (Unpacking an empty **options still costs a dict; skip it.)
+        return step(group, x, out, sizes, name, **options) if options else \
+            step(group, x, out, sizes, name)
+
+
+class Mapping(_Direction):
+    """A layout change (calling it) and its adjoint (:attr:`backward`).
 
     Parameters
     ----------
@@ -225,82 +289,23 @@ class Mapping:
         The parallel-state group used when ``group=None``.
     doc : str
         What the mapping does; becomes the object's ``__doc__``.
+
+    Attributes
+    ----------
+    backward : callable
+        The adjoint, called like the mapping itself: ``dx = m.backward(dy, group, ...)``.
     """
 
     def __init__(self, name: str, forward: Step, backward: Step, source: Layout,
                  destination: Layout, default_axis: str, doc: str) -> None:
+        super().__init__(self, forward, f"{name}.forward")
         self.name, self.source, self.destination = name, source, destination
-        # Per direction: the step and the label its collective carries.
-        self._steps = ((forward, f"{name}.forward"), (backward, f"{name}.backward"))
-        self._default_axis = default_axis
+        self.default_axis = default_axis
+        self.backward = _Direction(self, backward, f"{name}.backward")
         self.__doc__ = doc
 
     def __repr__(self) -> str:
         return f"<pympar mapping {self.name}: {self.source} -> {self.destination}>"
-
-    def __call__(self, x: Any, group: Group | None = None, *, out: Any = None,
-                 global_size: int | None = None, **options: Any) -> Any:
-        """Apply the forward layout change.
-
-        Parameters
-        ----------
-        x : numpy.ndarray or cupy.ndarray
-            This rank's input.
-        group : Group, optional
-            The group; the current TP group (CP group for the all-to-all pair) when None.
-        out : array, optional
-            Where to write the result (for communicating steps, a buffer reused across
-            calls avoids allocation).
-        global_size : int, optional
-            For a step that gathers: the global extent of the gathered axis (the sum of
-            every rank's block, not a rank count); without it the ranks learn their
-            block sizes in one small exchange. ``size=`` is its deprecated former name.
-        **options
-            Mapping-specific keywords (``seq_axis``, ``head_axis``).
-
-        Returns
-        -------
-        array
-            The result, of ``x``'s array module and dtype; ``x`` itself on a group of one
-            rank.
-        """
-        return self._apply(0, x, group, out, global_size, options)
-
-    def backward(self, dy: Any, group: Group | None = None, *, out: Any = None,
-                 global_size: int | None = None, **options: Any) -> Any:
-        """Apply the adjoint of the forward to the gradient ``dy``.
-
-        Parameters are those of ``__call__``; ``gather_from_sequence`` also takes
-        ``tensor_parallel_output_grad`` (default True).
-
-        Returns
-        -------
-        array
-            The gradient of the forward's input; ``dy`` itself on a group of one rank.
-        """
-        return self._apply(1, dy, group, out, global_size, options)
-
-    def _apply(self, direction: int, x: Any, group: Group | None, out: Any,
-               global_size: int | None, options: dict[str, Any]) -> Any:
-        """The one path of both directions: resolve the group and sizes, run the step."""
-        if options and "size" in options:
-            warnings.warn("the size= keyword of pympar mappings is deprecated; use "
-                          "global_size= (the global extent of the gathered axis)",
-                          DeprecationWarning, stacklevel=3)
-            global_size = options.pop("size")
-        step, name = self._steps[direction]
-        if type(group) is not Group:
-            group = manager.resolve_group(group, self.name, self._default_axis)
-        if (global_size is not None and step.gathered is None) or (
-                options and not step.options.issuperset(options)):
-            _refuse_options(step, name, group, global_size, options)
-        if group.size == 1:
-            return _alone(step, name, x, out, global_size, options)
-        sizes = None if global_size is None else collectives.balanced_sizes(global_size,
-                                                                            group.size)
-        # (Unpacking an empty **options still costs a dict; skip it.)
-        return step(group, x, out, sizes, name, **options) if options else \
-            step(group, x, out, sizes, name)
 
 
 def _refuse_options(step: Step, name: str, group: Group, global_size: Any,

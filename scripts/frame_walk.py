@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pympar  # noqa: E402
 from pympar import manager, mappings  # noqa: E402

@@ -205,7 +205,7 @@ class ContextAttention(Module):
         extra = () if lens is None else (f"key_lengths {lens.dtype.str} {lens.shape} of "
                                          f"checksum {zlib.crc32(lens.tobytes()):08x}",)
         with self.agreement("forward", x, self.group, (0,), 0, extra,
-                            lambda: self._check(x, "input")) as sizes:
+                            (self._check, x, "input")) as sizes:
             segments, lens = self._segments(x, sizes, lens)
             return self._forward(x, segments, lens)
 
@@ -233,7 +233,7 @@ class ContextAttention(Module):
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
         saved = self.saved_tensors()
         with self.agreement("backward", dy, self.group, (0,),
-                            validate=lambda: self._check(dy, "output gradient")):
+                            validate=(self._check, dy, "output gradient")):
             return self._backward(dy, *saved)
 
     def _check(self, x: Any, what: str) -> None:

@@ -13,7 +13,7 @@ layer built differently, or an input refused, on one rank raises on every rank.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import zlib
 
@@ -101,7 +101,7 @@ class Module:
 
     def agreement(self, direction: str, x: Any, group: Any, split: tuple[int, ...] = (),
                   sizes_of: int | None = None, extra: tuple = (),
-                  validate: Callable[[], None] | None = None) -> Label:
+                  validate: tuple | None = None) -> Label:
         """Agree once with the ranks of ``group``; return the label block to run in.
 
         Start ``forward`` and ``backward`` with ``with self.agreement("forward", x, g):``.
@@ -126,8 +126,9 @@ class Module:
             agreement (one small exchange more): entering the block gives them.
         extra : tuple
             More that must be equal (e.g. a checksum of key lengths).
-        validate : callable, optional
-            The layer's own check of ``x`` (raising TypeError or ValueError), run first.
+        validate : tuple, optional
+            ``(function, *arguments)``: the layer's own check of ``x`` (raising TypeError
+            or ValueError), run first.
 
         Returns
         -------
@@ -140,7 +141,7 @@ class Module:
         refused = None
         if validate is not None:
             try:
-                validate()
+                validate[0](*validate[1:])
             except (TypeError, ValueError) as error:
                 refused = error
         if group.size == 1:

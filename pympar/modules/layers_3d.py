@@ -272,7 +272,7 @@ class Linear3D(Module):
         """Return the output block (output layout) for the input block ``x`` (input layout)."""
         layout = self.layout
         with self.agreement("forward", x, layout.agreeing, (0, -1),
-                            validate=lambda: self._check(layout, x, "input")):
+                            validate=(self._check, layout, x, "input")):
             return self._forward(x)
 
     def _check(self, layout: Layout3D, block: Any, what: str, shape: tuple | None = None) -> None:
@@ -306,8 +306,8 @@ class Linear3D(Module):
         layout = self.layout
         saved = self.saved_tensors()
         with self.agreement("backward", dy, layout.agreeing, (0, -1),
-                            validate=lambda: self._check(layout.swapped(), dy, "output gradient",
-                                                         saved[3])):
+                            validate=(self._check, layout.swapped(), dy, "output gradient",
+                                      saved[3])):
             return self._backward(dy, *saved)
 
     def _backward(self, dy: Any, x2d: Any, x_rows_shape: tuple, w_rows: Any,
@@ -400,7 +400,7 @@ class LayerNorm3D(Module):
     def forward(self, x: Any) -> Any:
         """Normalize each row of the input block ``x`` (same layout out)."""
         with self.agreement("forward", x, self.layout.agreeing, (0, -1),
-                            validate=lambda: self._check(x, "input")):
+                            validate=(self._check, x, "input")):
             y, xhat, rstd = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps,
                                                self.hidden, self._row_sums)
             self.save_for_backward(xhat, rstd)
@@ -411,7 +411,7 @@ class LayerNorm3D(Module):
         gradients of unfrozen ``gamma`` and ``beta``."""
         xhat, rstd = self.saved_tensors()
         with self.agreement("backward", dy, self.layout.agreeing, (0, -1),
-                            validate=lambda: self._check(dy, "output gradient", xhat.shape)):
+                            validate=(self._check, dy, "output gradient", xhat.shape)):
             return self._backward(dy, xhat, rstd)
 
     def _backward(self, dy: Any, xhat: Any, rstd: Any) -> Any:

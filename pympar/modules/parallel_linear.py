@@ -77,10 +77,12 @@ class _TensorParallelLinear(Module):
 
     def _local_affine(self, x: Any) -> tuple[Any, Any]:
         """Return ``x @ W_local.T`` (no bias) and ``x`` as 2-D for the backward cache."""
-        xp = array_module(x)
-        x2d = _rows(x)
+        # Written out: this is the hot path of every forward.
+        xp = numpy if type(x) is numpy.ndarray else array_module(x)
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         w = self.weight.data
-        y2d = _matmul_into(xp, x2d, w.T, x2d.shape[0], w.shape[0], w.dtype)
+        y2d = xp.empty((x2d.shape[0], w.shape[0]), dtype=w.dtype)
+        xp.matmul(x2d, w.T, out=y2d)
         return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
 
     def _local_affine_backward(self, dy: Any, x2d: Any, x_shape: tuple) -> Any:
@@ -187,27 +189,24 @@ class ColumnParallelLinear(_TensorParallelLinear):
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
         sp = self.use_sequence_parallel
         with self.agreement("forward", x, self.group, (0,) if sp else (), 0 if sp else None,
-                            validate=lambda: check_array(self, x, self.in_features,
-                                                         self.dtype)) as rows:
+                            validate=(check_array, self, x, self.in_features, self.dtype)) as rows:
             if sp:
                 total = mappings.gather_from_sequence(x, self.group, global_size=sum(rows))
             else:
                 total = mappings.copy_to_all(x, self.group)
-            return self._forward(total)
-
-    def _forward(self, total: Any) -> Any:
-        y, x2d = self._local_affine(total)
-        if self.bias is not None and not self.skip_bias_add:
-            y += self.bias.data
-        self.save_for_backward(x2d, total.shape)
-        if self.gather_output:
-            y = mappings.gather_from_hidden(y, self.group, global_size=self.out_features)
-        if not self.skip_bias_add:
-            return y
-        bias = self.bias.data if self.bias is not None else None
-        if bias is not None and self.gather_output:
-            bias = mappings.gather_from_hidden(bias, self.group, global_size=self.out_features)
-        return y, bias
+            y, x2d = self._local_affine(total)
+            if self.bias is not None and not self.skip_bias_add:
+                y += self.bias.data
+            self.save_for_backward(x2d, total.shape)
+            if self.gather_output:
+                y = mappings.gather_from_hidden(y, self.group, global_size=self.out_features)
+            if not self.skip_bias_add:
+                return y
+            bias = self.bias.data if self.bias is not None else None
+            if bias is not None and self.gather_output:
+                bias = mappings.gather_from_hidden(bias, self.group,
+                                                   global_size=self.out_features)
+            return y, bias
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate the
@@ -223,9 +222,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
         with self.agreement("backward", dy, self.group, () if self.gather_output else (-1,),
-                            validate=lambda: check_array(self, dy, None, self.dtype,
-                                                         what="output gradient",
-                                                         shape=(*total_shape[:-1], width))):
+                            validate=(check_array, self, dy, None, self.dtype, "output gradient",
+                                      (*total_shape[:-1], width))):
             return self._backward(dy, dbias, x2d, total_shape)
 
     def _backward(self, dy: Any, dbias: Any, x2d: Any, total_shape: tuple) -> Any:
@@ -304,7 +302,7 @@ class RowParallelLinear(_TensorParallelLinear):
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
         with self.agreement("forward", x, self.group, (-1,) if self.input_is_parallel else (),
-                            validate=lambda: check_array(self, x, width, self.dtype)):
+                            validate=(check_array, self, x, width, self.dtype)):
             return self._forward(x)
 
     def _forward(self, x: Any) -> Any:
@@ -337,9 +335,8 @@ class RowParallelLinear(_TensorParallelLinear):
         x2d, x_shape, y_shape = self.saved_tensors()
         with self.agreement("backward", dy, self.group,
                             (0,) if self.use_sequence_parallel else (),
-                            validate=lambda: check_array(self, dy, None, self.dtype,
-                                                         what="output gradient",
-                                                         shape=y_shape)):
+                            validate=(check_array, self, dy, None, self.dtype,
+                                      "output gradient", y_shape)):
             return self._backward(dy, dbias, x2d, x_shape)
 
     def _backward(self, dy: Any, dbias: Any, x2d: Any, x_shape: tuple) -> Any:

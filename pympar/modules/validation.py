@@ -11,7 +11,7 @@ from .. import backend
 __all__ = ["check_array"]
 
 
-def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, *, what: str = "input",
+def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, what: str = "input",
                 shape: tuple[int, ...] | None = None, min_ndim: int = 1) -> None:
     """Raise naming ``layer`` unless ``x`` is an array of ``dtype`` with the expected shape.
 
