@@ -1,32 +1,29 @@
 """The boards of the agreement check: one 64-bit word per rank and check (private).
 
 Before its data call every rank of a group writes the call's 32-bit signature (odd;
-:data:`REFUSED` for a rank refusing its own arguments) and reads every rank's. The group
-agrees when every signature equals this rank's. One mechanism for every collective
-means that two ranks making different calls always meet in the same exchange and see
-the difference, instead of waiting in two different ones.
+:data:`REFUSED` for a rank refusing its own arguments) and reads every rank's; the group
+agrees when all equal this rank's. One mechanism for every collective means that ranks
+making different calls meet in the same exchange instead of waiting in two.
 
-* :class:`Board` (every rank on one node): no message. Each rank writes its word into
-  memory the group's ranks map together (a file in ``/dev/shm``) and polls the others'.
-  A word is ``(k << 32) | signature``, where ``k`` counts the group's checks (1 to
-  ``2**32 - 2``, the same on every rank of a correct program); rank ``r``'s word of check
-  ``k`` sits at ``(k & 1) * size + r``. A reader waits until the word carries ``k``. An
-  aligned 8-byte store or load is one instruction on x86-64 and aarch64 (no torn words)
-  and the data moves through MPI afterwards, so the check needs no fences. Two parities
-  suffice: a rank starts check ``k + 2`` only after every rank wrote its word of ``k + 1``,
-  that is after every rank finished reading the words of ``k``.
+* :class:`Board` (every rank on one node): no message. Each rank writes its word into a
+  shared mapping (a file in ``/dev/shm``) and polls the others'. The word of check ``k``
+  (1 to ``2**32 - 2``, alike on every rank of a correct program) is ``k << 32 |
+  signature`` at ``(k & 1) * size + rank``; a reader waits until it carries ``k``.
+  Aligned 8-byte stores and loads are single instructions on x86-64 and aarch64 and the
+  data moves through MPI afterwards, so no fences are needed. Two parities suffice: a
+  rank starts check ``k + 2`` only after every rank wrote its word of ``k + 1``, that
+  is after every rank finished reading the words of ``k``.
 * :class:`MessageBoard` (ranks on several nodes): one 8-byte ``Iallgather`` per check.
 
-A rank that never reaches the check leaves the others waiting (a :class:`Board` spins
-politely, yielding the core after a short tight spin) until ``PYMPAR_TIMEOUT``; without a
-timeout they wait for ever, as they would in the MPI call the check precedes. While it
-yields, a waiting rank drives MPI's progress engine (one ``Iprobe`` per look), as a
-waiting MPI call would: the rank it waits for may be in a send that needs this rank's
-earlier receive to progress.
+A rank that never comes leaves the others waiting until ``PYMPAR_TIMEOUT`` (for ever
+without one, as in the MPI call that follows). A waiting rank yields its core after a
+short tight spin and drives MPI's progress engine (one ``Iprobe`` per look): the rank it
+waits for may be in a send that needs this rank's earlier receive to progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -45,8 +42,7 @@ SHARED_DIR = "/dev/shm"
 #: Whether groups on one node check through shared memory (read when a group is created;
 #: tests switch it off to take the message path).
 SHARED = True
-#: Polls of a tight spin before each further poll yields the core (8 ranks on 2 cores
-#: must not starve the rank they wait for).
+#: Polls of a tight spin before each further poll yields the core.
 _TIGHT = 200
 #: The signature of a rank that refuses its own arguments (calls' signatures are odd).
 REFUSED = 0
@@ -57,15 +53,7 @@ _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class Board:
-    """One group's shared-memory words: two parities of one 64-bit word per rank.
-
-    Parameters
-    ----------
-    memory : mmap.mmap
-        The shared mapping of ``2 * size`` words (zeroed).
-    size, rank : int
-        The group's size and this process's rank in it.
-    """
+    """One group's shared words (``memory``: ``2 * size`` zeroed 64-bit words)."""
 
     __slots__ = ("memory", "slots", "size", "rank", "count")
 
@@ -78,15 +66,8 @@ class Board:
         self.count = 0  # checks made; word 0 (all slots at start) never carries k >= 1
 
     def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
-        """Write ``sig`` for the next check; wait for every rank's; whether all equal it.
-
-        Every rank sees the same words, so every rank returns the same answer.
-
-        Raises
-        ------
-        pympar.debug.CollectiveTimeoutError
-            When ``timeout`` seconds pass before every rank wrote its word.
-        """
+        """Write ``sig`` for the next check, wait for every rank's, and tell whether all equal
+        it (the same answer on every rank); CollectiveTimeoutError after ``timeout`` s."""
         k = self.count = self.count + 1 if self.count < _LAST else 1
         word, slots = k << 32 | sig, self.slots
         lo = (k & 1) * self.size
@@ -104,7 +85,7 @@ class Board:
 
     def _spin(self, at: int, k: int, group: Any, what: str, timeout: float | None,
               deadline: float | None) -> int:
-        """Poll word ``at`` until it carries check ``k``: tight first, then yielding the core."""
+        """Poll word ``at`` until it carries check ``k``: tight, then yielding the core."""
         slots = self.slots
         for _ in range(_TIGHT):
             seen = slots[at]
@@ -113,7 +94,7 @@ class Board:
         yield_core, poke = _YIELD, group.comm.Iprobe
         while True:
             yield_core()
-            poke()  # drive MPI's progress engine (MPICH has no progress thread by default)
+            poke()
             seen = slots[at]
             if seen >> 32 == k:
                 return seen
@@ -121,19 +102,13 @@ class Board:
                 raise timeout_error(what, group, timeout, None)
 
     def free(self) -> None:
-        """Unmap the words (local)."""
+        """Unmap the words."""
         self.slots.release()
         self.memory.close()
 
 
 class MessageBoard:
-    """The same check for ranks on several nodes: one ``Iallgather`` of an int64 per rank.
-
-    Parameters
-    ----------
-    comm : mpi4py.MPI.Intracomm
-        The group's communicator.
-    """
+    """The same check for ranks on several nodes: one ``Iallgather`` of an int64 per rank."""
 
     __slots__ = ("comm", "mine", "table")
 
@@ -156,16 +131,12 @@ class MessageBoard:
 
 
 def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
-    """The board of ``comm``: shared memory when all its ranks share a node (collective).
+    """The board of ``comm`` (collective): None for one rank, shared memory when every rank
+    shares a node, else (or when anything fails, or :data:`SHARED` is off) messages.
 
-    None for a communicator of one rank; a :class:`MessageBoard` when the ranks span
-    nodes, shared memory cannot be set up, or :data:`SHARED` is off.
-
-    Rank 0 creates a file of ``2 * size`` words in :data:`SHARED_DIR`, the others open it
-    by the name it broadcasts, each maps it, and once all have it mapped rank 0 unlinks
-    it: nothing is left behind, even if the job dies later. Any failure gives a
-    :class:`MessageBoard` on every rank. Plain files rather than an MPI shared window:
-    Open MPI's one-sided components print errors on machines without UCX hardware.
+    Rank 0 creates the file, the others open it by the name it broadcasts, and once all
+    have mapped it rank 0 unlinks it: nothing is left behind. Plain files rather than an
+    MPI shared window: Open MPI's one-sided components print errors without UCX hardware.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
@@ -177,44 +148,36 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
     node.Free()
     if not together:
         return MessageBoard(comm)
-    nbytes = 2 * size * 8
+    nbytes, board = 2 * size * 8, None
     name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
     if rank == 0:
-        path = os.path.join(SHARED_DIR, f"pympar-board-{os.getpid()}-{secrets.token_hex(8)}")
-        try:
-            if len(path.encode()) >= _NAME_BYTES:
-                raise OSError(f"{path} is too long to broadcast")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)  # zero-filled
-            finally:
-                os.close(fd)
-            name[:len(path.encode())] = np.frombuffer(path.encode(), dtype=np.uint8)
-        except OSError:
-            pass  # an empty name: no board anywhere
+        path = f"{SHARED_DIR}/pympar-board-{os.getpid()}-{secrets.token_hex(8)}".encode()
+        with contextlib.suppress(OSError):  # an empty name: no board anywhere
+            if len(path) < _NAME_BYTES:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, nbytes)  # zero-filled
+                finally:
+                    os.close(fd)
+                name[:len(path)] = np.frombuffer(path, dtype=np.uint8)
     comm.Bcast(name, root=0)
-    path = bytes(name).rstrip(b"\0").decode() or None
-    board = None
-    if path is not None:
-        try:
+    path = bytes(name).rstrip(b"\0")
+    if path:
+        with contextlib.suppress(OSError, ValueError):
             fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
             try:
                 board = Board(mmap.mmap(fd, nbytes), size, rank)
             finally:
                 os.close(fd)
-        except (OSError, ValueError):
-            board = None
     # Every rank takes the shared path or none does; the reduction is also the barrier
     # after which nobody opens the file any more.
     agreed = np.array([board is not None], dtype=np.int32)
     comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.LAND)
-    if rank == 0 and path is not None:
-        try:
+    if rank == 0 and path:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
-    if not agreed[0]:
-        if board is not None:
-            board.free()
-        return MessageBoard(comm)
-    return board
+    if agreed[0]:
+        return board
+    if board is not None:
+        board.free()
+    return MessageBoard(comm)

@@ -8,134 +8,15 @@ locally and agrees once at the end, so one bad rank fails every rank.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
+from collective_helpers import (DTYPES, LAYOUTS, Checks, dtypes_for, laid_out, piece, random,
+                                split_sizes)
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import backend, collectives
 from pympar.debug import CollectiveMismatchError
 from pympar.mesh import Mesh
-
-BF16 = backend.bfloat16
-DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)] + (
-    [BF16] if BF16 is not None else [])
-#: Relative tolerance of a sum of a few values rounded once to the dtype.
-RTOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-LAYOUTS = ("C", "F", "strided")
-
-
-# --------------------------------------------------------------------------- shared helpers
-# (test_mappings imports these; only non-test names.)
-
-
-@pytest.fixture(params=["numpy", "cupy-staged", "cupy-aware"])
-def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The array module under test; CuPy both staged and CUDA-aware (skipped without a GPU)."""
-    if request.param == "numpy":
-        return np
-    if not backend.cupy_available():
-        pytest.skip("CuPy with a CUDA device is not available")
-    aware = request.param == "cupy-aware"
-    if aware and not backend.mpi_library_cuda_support():
-        # Device pointers given to an MPI that cannot read them would crash the job.
-        pytest.skip("the MPI library does not report CUDA support")
-    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "1" if aware else "0")
-    import cupy
-    return cupy
-
-
-def dtypes_for(xp: Any) -> list[np.dtype]:
-    """The dtypes an array module can hold (CuPy has no bfloat16)."""
-    return [d for d in DTYPES if xp is np or d != BF16]
-
-
-def random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Host array of ``dtype`` from a standard normal (exactly representable after the cast)."""
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def laid_out(a: np.ndarray, layout: str, xp: Any) -> Any:
-    """``a`` on ``xp`` as a C-ordered, Fortran-ordered or non-contiguous array."""
-    if layout == "C" or not a.ndim:
-        return xp.array(a, order="C")
-    if layout == "F":
-        return xp.array(a, order="F")
-    big = xp.zeros(a.shape[:-1] + (2 * a.shape[-1] + 1,), a.dtype)
-    view = big[..., 1::2]
-    view[...] = xp.asarray(a)
-    return view
-
-
-def split_sizes(n: int, parts: int) -> tuple[int, ...]:
-    """Extents of ``numpy.array_split`` of ``n`` items into ``parts`` (the sizes= argument)."""
-    return tuple(len(block) for block in np.array_split(np.empty(n), parts))
-
-
-def piece(a: np.ndarray, parts: int, axis: int, rank: int) -> np.ndarray:
-    """This rank's block by the balanced rule."""
-    return np.array_split(a, parts, axis=axis)[rank]
-
-
-class Checks:
-    """Collects failures on this rank; :meth:`done` agrees on them over WORLD."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.count = 0
-
-    def equal(self, actual: Any, expected: np.ndarray, what: str) -> None:
-        """Bitwise equality of values, shape and dtype."""
-        self.count += 1
-        a = to_numpy(actual)
-        if a.shape != expected.shape or a.dtype != expected.dtype \
-                or a.tobytes() != np.ascontiguousarray(expected).tobytes():
-            self.failures.append(f"{what}: got {a.dtype}{a.shape}, expected "
-                                 f"{expected.dtype}{expected.shape}, values differ")
-
-    def close(self, actual: Any, expected: np.ndarray, what: str, rtol: float | None = None) -> None:
-        """Equal shape and dtype, values within the dtype's tolerance."""
-        self.count += 1
-        a = to_numpy(actual)
-        rtol = RTOL[expected.dtype.name] if rtol is None else rtol
-        if a.shape != expected.shape or a.dtype != expected.dtype:
-            self.failures.append(f"{what}: got {a.dtype}{a.shape}, expected "
-                                 f"{expected.dtype}{expected.shape}")
-            return
-        a64, e64 = a.astype(np.float64), expected.astype(np.float64)
-        if not np.allclose(a64, e64, rtol=rtol, atol=rtol):
-            err = float(np.max(np.abs(a64 - e64)))
-            self.failures.append(f"{what}: max abs error {err:.3g} (rtol {rtol})")
-
-    def true(self, ok: bool, what: str) -> None:
-        self.count += 1
-        if not ok:
-            self.failures.append(what)
-
-    def done(self) -> None:
-        agree(not self.failures, f"{len(self.failures)} of {self.count} checks failed: "
-              + "; ".join(self.failures[:6]))
-
-
-@pytest.fixture(scope="module")
-def groups() -> Any:
-    """The whole world and, with >= 4 ranks, TP groups of 2 inside it."""
-    made = {"world": Mesh(WORLD, {"w": WORLD.size}).group("w")}
-    if WORLD.size >= 4 and WORLD.size % 2 == 0:
-        made["tp2"] = Mesh(WORLD, {"tp": 2, "dp": WORLD.size // 2}).group("tp")
-    yield made
-    for group in made.values():
-        group.free()
-
-
-@pytest.fixture(params=["world", "tp2"])
-def group(request: pytest.FixtureRequest, groups: dict) -> Any:
-    """A group: the world, or a TP group of 2 that is not the whole world."""
-    if request.param not in groups:
-        pytest.skip("a TP group of 2 inside the world needs an even world of >= 4 ranks")
-    return groups[request.param]
-
 
 # --------------------------------------------------------------------------- all_reduce
 
