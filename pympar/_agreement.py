@@ -1,16 +1,12 @@
 """The agreement check, one per collective call, and the label it compares (private).
 
-Every collective of more than one rank makes :func:`check` once before its data call:
-each rank writes the call's signature to the group's board (:mod:`pympar._board`) and
+Before its data call every collective of more than one rank writes its signature (the
+call's key and :func:`label` hashed) to the group's board (:mod:`pympar._board`) and
 reads every rank's; when they differ every rank raises the same
 :class:`~pympar.errors.CollectiveMismatchError` (:func:`pympar.debug.report`). A rank
-refusing its own arguments joins the check with :data:`~pympar._board.REFUSED`
-(:func:`refuse`), so the others raise too. A gather of unknown extents learns them
-after its check in one small exchange (:func:`extents`).
-
-The signature hashes the call's key and the label of the code running it
-(:func:`label`, public as :func:`pympar.collectives.label`), so ranks running the same
-collective inside different layers raise too.
+refusing its own arguments joins with :data:`~pympar._board.REFUSED` (:func:`refuse`). A
+gather of unknown extents learns them after its check in one small exchange
+(:func:`extents`). :func:`label` and :func:`agree` are public in :mod:`pympar.collectives`.
 """
 
 from __future__ import annotations
@@ -32,28 +28,19 @@ _outer: list[str | None] = []
 
 
 def label(name: str) -> Label:
-    """Name the collectives called inside a ``with`` block, in statistics and errors.
+    """Name the collectives called inside a ``with`` block (or a decorated function).
 
-    Also usable as a decorator (``@label("ZeroRedundancyOptimizer.step")``). Layers do
-    not call it: :meth:`pympar.modules.Module.agreement` labels their forward and backward.
-
-    Parameters
-    ----------
-    name : str
-        E.g. ``"bucket-0.step"``; statistics record each collective inside as
-        ``"bucket-0.step:all_gather"``. Part of the agreement check: ranks running the
-        same collective under different labels raise
-        :class:`~pympar.errors.CollectiveMismatchError`. Blocks nest (``outer/inner``).
+    ``name`` (``"bucket-0.step"``) appears in statistics (``"bucket-0.step:all_gather"``)
+    and errors, and is part of the agreement check: ranks running the same collective
+    under different labels raise :class:`~pympar.errors.CollectiveMismatchError`. Blocks
+    nest (``outer/inner``). Layers label themselves (:meth:`pympar.modules.Module.agreement`).
     """
     return Label(name)
 
 
 class Label(contextlib.ContextDecorator):
-    """The block :func:`label` returns; ``sizes`` is what entering it gives (``as``).
-
-    A small class rather than a generator-based context manager: layers enter one per
-    forward, and this costs a third as much.
-    """
+    """The block :func:`label` returns; entering it gives ``sizes`` (a small class: layers
+    enter one per call, and a generator-based context manager costs three times as much)."""
 
     __slots__ = ("name", "sizes")
 
@@ -92,10 +79,9 @@ def check(group: Any, sig: int, shown: str, name: str | None) -> None:
 def refuse(group: Any, what: str, error: Exception) -> None:
     """Before this rank raises ``error`` about its own arguments, make the others raise too.
 
-    Call it where the other ranks of ``group`` are about to make a collective (every
-    collective checks): this rank joins their check with a signature no call has, so
-    every rank raises :class:`~pympar.errors.CollectiveMismatchError` naming ``error``. It
-    returns, for this rank to raise ``error`` itself, when every rank refused.
+    Where the others are about to make a collective, this rank joins their check with a
+    signature no call has: every rank raises :class:`~pympar.errors.CollectiveMismatchError`
+    naming ``error`` (``what`` the call refused). It returns when every rank refused.
     """
     state = getattr(group, "_state", None)
     if state is None or state.board is None or group.comm == MPI.COMM_NULL:
@@ -109,25 +95,11 @@ def agree(group: Any, key: tuple, shown: str) -> None:
     """Check that every rank of ``group`` reaches this point with an equal ``key``.
 
     One agreement check of the collectives' own kind, for communication they do not
-    cover (a ring of point-to-point messages) or cover too coarsely (one flat buffer
-    whose parts every rank must order alike). The enclosing :func:`label` is compared
-    too. Nothing happens on a group of one rank.
-
-    Parameters
-    ----------
-    group : Group
-        The ranks that must agree.
-    key : tuple
-        What must be equal on every rank (its ``repr`` is hashed).
-    shown : str
-        This rank's call in words, for the error message.
-
-    Raises
-    ------
-    pympar.errors.CollectiveMismatchError
-        On every rank, when two ranks' keys (or labels) differ.
-    RuntimeError
-        When ``group`` has been freed.
+    cover (a ring of point-to-point messages) or cover too coarsely (one flat buffer whose
+    parts every rank must order alike); the enclosing :func:`label` is compared too.
+    ``key`` is hashed through its ``repr``; ``shown`` is this rank's call in words. Every
+    rank raises :class:`~pympar.errors.CollectiveMismatchError` when the keys differ
+    (``RuntimeError`` for a freed group); a group of one rank does nothing.
     """
     if group.size == 1:
         return

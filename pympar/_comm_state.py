@@ -1,9 +1,5 @@
-"""Per-communicator state of the collectives, and the protocol they are typed against.
-
-A :class:`CommState` is everything the collectives keep for one communicator: the
-cached plans, the scratch buffers, and the board of the agreement check. A
-:class:`~pympar.group.Group` holds one; the collectives see a group only through
-:class:`Communicator`, so they need not import the group module.
+"""Per-communicator state of the collectives (plans, scratch buffers, the agreement board)
+and the protocol they see a group through, so that they need not import :mod:`pympar.group`.
 """
 
 from __future__ import annotations
@@ -36,16 +32,8 @@ class Communicator(Protocol):
 
 
 class CommState:
-    """The collectives' cached plans, scratch buffers and agreement board for one communicator.
-
-    Creating it is collective over ``comm`` when it has more than one rank (the board,
-    :func:`pympar._board.create`).
-
-    Parameters
-    ----------
-    comm : mpi4py.MPI.Intracomm
-        The communicator.
-    """
+    """The collectives' plans, scratch buffers and agreement board for the communicator
+    ``comm`` (creating it is collective over ``comm``: :func:`pympar._board.create`)."""
 
     __slots__ = ("plans", "buffers", "board")
 
@@ -62,12 +50,9 @@ class CommState:
         return plan
 
     def scratch(self, slot: str, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
-        """The C-contiguous scratch array for ``slot`` (contents undefined).
-
-        Allocated on first use with the array module of ``like``; at most
-        :data:`MAX_BUFFERS` arrays and :data:`MAX_BUFFER_BYTES` bytes are kept, the
-        oldest evicted first.
-        """
+        """The C-contiguous scratch array for ``slot`` (contents undefined), of ``like``'s
+        array module; at most :data:`MAX_BUFFERS` arrays and :data:`MAX_BUFFER_BYTES`
+        bytes are kept, the oldest evicted first."""
         numpy = type(like) is np.ndarray
         key = (slot, shape, dtype, numpy)
         buffers = self.buffers

@@ -1,13 +1,10 @@
 """Plans of the collectives: what a call needs that depends only on its metadata (private).
 
-* A :class:`Plan` is computed once per (operation, shape, dtype, axis, sizes, ...) and
-  cached on the group's :class:`~pympar._comm_state.CommState`: the output shape, the
-  MPI method and its count arguments, how the input and the result are cut into rank
-  blocks, and what the agreement check compares.
-* :class:`Blocks` cuts an axis into one block per rank; :func:`pack` and :func:`unpack`
-  move a non-leading axis between its array and rank-major order (casting on the way).
-* :func:`in_units` re-expresses counts beyond an MPI-3 ``int`` in a contiguous derived
-  datatype, which the plan owns and frees (:meth:`Plan.free`).
+A :class:`Plan` is computed once per call kind and cached on the group's
+:class:`~pympar._comm_state.CommState`. :class:`Blocks` cuts an axis into rank blocks;
+:func:`pack` and :func:`unpack` move a non-leading axis to and from rank-major order;
+:func:`in_units` re-expresses counts beyond an MPI-3 ``int`` in a derived datatype, which
+the plan owns and frees (:meth:`Plan.free`).
 """
 
 from __future__ import annotations

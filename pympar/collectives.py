@@ -1,6 +1,8 @@
 """Array collectives of :class:`~pympar.group.Group`, for NumPy and CuPy arrays.
 
-``Group.all_reduce`` and its siblings delegate here. Every operation takes one path:
+``Group.all_reduce`` and its siblings are these functions (the group comes first; a last
+``label=`` names the caller in statistics and errors, as mappings do). Every operation
+takes one path:
 
 1. **validate** the input (an array; native byte order; a dtype MPI can move);
 2. **plan**: look up, or build once, the :class:`~pympar._plans.Plan` of (operation,
@@ -60,7 +62,7 @@ from .partition import balanced_sizes, block_slice
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
            "agree", "refuse", "balanced_sizes", "block_slice", "large_counts_supported",
-           "as_array", "INT_MAX"]
+           "INT_MAX"]
 
 #: The largest count or displacement an MPI-3 (``int``) interface can take.
 INT_MAX = 2**31 - 1
@@ -73,13 +75,8 @@ _MOVE: Any = object()  # the op of a collective that reduces nothing
 
 
 def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
-    """Return whether counts above :data:`INT_MAX` reach MPI as they are (MPI-4 ``_c`` routines).
-
-    Parameters
-    ----------
-    mpi_version : tuple of int, optional
-        The standard version to judge; ``MPI.Get_version()`` by default.
-    """
+    """Return whether counts above :data:`INT_MAX` reach MPI as they are (MPI-4 ``_c``
+    routines) for the standard ``mpi_version`` (``MPI.Get_version()`` by default)."""
     return tuple(MPI.Get_version() if mpi_version is None else mpi_version) >= (4, 0)
 
 
@@ -87,23 +84,8 @@ def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
 
 
 def as_array(x: Any, what: str) -> Any:
-    """``x`` if it is a NumPy or CuPy array (a NumPy scalar becomes a 0-d array).
-
-    The one array check of pympar: array-likes (lists, torch tensors, objects with
-    ``__array__``) are refused, not converted, since a conversion would copy.
-
-    Parameters
-    ----------
-    x : any
-        The value to check.
-    what : str
-        The caller, named in the message.
-
-    Raises
-    ------
-    TypeError
-        When ``x`` is not a ``numpy.ndarray`` or ``cupy.ndarray``.
-    """
+    """``x`` if it is a NumPy or CuPy array (a NumPy scalar becomes a 0-d array), else
+    ``TypeError`` naming ``what``: array-likes are refused, not converted (a copy)."""
     if type(x) is not np.ndarray:
         if isinstance(x, (np.ndarray, np.generic)):
             return np.asarray(x)
@@ -356,7 +338,32 @@ def _args(plan: Plan, send: Any, recv: Any) -> tuple:
 
 def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
                label: str | None = None) -> Any:
-    """Body of :meth:`pympar.group.Group.all_reduce`; ``label`` names the caller."""
+    """Reduce ``x`` element-wise over the group; every rank gets the result.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Same shape and dtype on every rank; any memory layout.
+    op : {"sum", "max", "min"}
+        The reduction. float16 and bfloat16 sum in float32, rounded once at the end;
+        bool reduces as NumPy's ufuncs do (or for sum and max, and for min).
+    out : array, optional
+        Where to write the result (same module, shape and dtype as ``x``). It may be
+        ``x`` itself (in place); otherwise it must not overlap ``x``.
+
+    Returns
+    -------
+    array
+        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For an unknown ``op``, max/min of complex, a dtype MPI cannot reduce, or a
+        wrong ``out``.
+    pympar.errors.CollectiveMismatchError
+        On every rank, when ranks pass different shapes, dtypes or ops.
+    """
     try:
         if type(x) is not np.ndarray:
             x = as_array(x, label or "all_reduce")
@@ -375,7 +382,23 @@ def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
 
 def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
               label: str | None = None) -> Any:
-    """Body of :meth:`pympar.group.Group.broadcast`; ``label`` names the caller."""
+    """Return the root's ``x`` on every rank.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        On the root, the data; on the other ranks an array of the same shape and
+        dtype whose values are ignored.
+    root : int, default 0
+        The sending rank, as a rank in this group (not a global rank).
+    out : array, optional
+        Where to write the result; may be ``x`` (in place).
+
+    Returns
+    -------
+    array
+        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
+    """
     try:
         if type(x) is not np.ndarray:
             x = as_array(x, label or "broadcast")
@@ -425,7 +448,28 @@ def _learn_sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str, 
 
 def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
                sizes: Sequence[int] | None = None, label: str | None = None) -> Any:
-    """Body of :meth:`pympar.group.Group.all_gather`; ``label`` names the caller."""
+    """Concatenate every rank's ``x`` along ``axis``, in group-rank order, on every rank.
+
+    The result equals ``numpy.concatenate([x_0, ..., x_{p-1}], axis)``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's block; every dimension but ``axis`` agrees across ranks.
+    axis : int, default 0
+        The axis to concatenate along.
+    out : array, optional
+        Where to write the result; must not overlap ``x``.
+    sizes : sequence of int, optional
+        Every rank's extent along ``axis``, indexed by rank in this group, when the
+        caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it the
+        ranks learn each other's extents in one small exchange.
+
+    Returns
+    -------
+    array
+        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
+    """
     checked = False
     try:
         if type(x) is not np.ndarray:
@@ -463,7 +507,27 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
 
 def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
                    op: str = "sum", label: str | None = None) -> Any:
-    """Body of :meth:`pympar.group.Group.reduce_scatter`; ``label`` names the caller."""
+    """Reduce ``x`` over the group and give each rank its block along ``axis``.
+
+    ``axis`` is split with the balanced rule of ``numpy.array_split``: the rank of
+    group rank ``r`` receives block ``r`` of the element-wise reduction.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Same shape and dtype on every rank; any memory layout.
+    axis : int, default 0
+        The axis to split.
+    out : array, optional
+        Where to write this rank's block; must not overlap ``x``.
+    op : {"sum", "max", "min"}
+        The reduction, as in :func:`all_reduce`.
+
+    Returns
+    -------
+    array
+        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
+    """
     try:
         if type(x) is not np.ndarray:
             x = as_array(x, label or "reduce_scatter")
@@ -514,7 +578,30 @@ def _split_concat(x: Any, split_axis: Any, concat_axis: Any) -> tuple[int, int]:
 def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
                out: Any = None, sizes: Sequence[int] | None = None,
                label: str | None = None) -> Any:
-    """Body of :meth:`pympar.group.Group.all_to_all`; ``label`` names the caller."""
+    """Split ``x`` along ``split_axis``, send block ``q`` to rank ``q``, concatenate the rest.
+
+    Group rank ``r`` receives block ``r`` (balanced rule) of every rank's ``x`` and
+    concatenates them in rank order along ``concat_axis``: the result equals
+    ``numpy.concatenate([array_split(x_q, p, split_axis)[r] for q in range(p)],
+    concat_axis)``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Every dimension but ``concat_axis`` agrees across ranks.
+    split_axis, concat_axis : int
+        Different axes.
+    out : array, optional
+        Where to write the result; must not overlap ``x``.
+    sizes : sequence of int, optional
+        Every rank's extent along ``concat_axis``, indexed by group rank; otherwise
+        the ranks learn them in one small exchange.
+
+    Returns
+    -------
+    array
+        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
+    """
     checked = False
     try:
         if type(x) is not np.ndarray:

@@ -6,19 +6,17 @@ the same call (:mod:`pympar.collectives`); ranks that differ raise
 both off by default and both read once at import, go further:
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
-    Enriches that report: each rank's call is shown with where in the program it was
-    made (the first frame outside pympar, ``file:line in function``). It costs nothing
-    until a mismatch; every rank must have the same setting (checked when a mesh is made).
+    Enriches that report with where each rank made its call (the first frame outside
+    pympar, ``file:line in function``). It costs nothing until a mismatch.
 
 ``PYMPAR_TIMEOUT=seconds`` (or :func:`set_timeout`)
-    Every wait is bounded: the agreement check, and the data call, run as MPI's
-    non-blocking variant polled until done (device buffers are staged through the host
-    for it). A call not complete in time raises :class:`CollectiveTimeoutError` naming
-    the operation, the group and the rank. Every rank must use the same setting (MPI
-    never matches a non-blocking collective with a blocking one). After a timeout the
-    group's communicator has a pending operation and cannot be used again; the error is
-    meant to end the run (under ``python -m mpi4py`` an unhandled exception aborts every
-    rank).
+    Every wait is bounded: the agreement check, and the data call as MPI's non-blocking
+    variant polled until done (device buffers keep the blocking call after a timed
+    check). A call not complete in time raises :class:`CollectiveTimeoutError` naming the
+    operation, the group and the rank. After a timeout the group's communicator has a
+    pending operation and cannot be used again: let the error end the run.
+
+Every rank must use the same settings (compared when a mesh or group is made).
 
 :func:`debug_mode` sets both for a ``with`` block.
 """
@@ -46,11 +44,9 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def _parse_flag(value: str) -> bool:
     value = value.strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"PYMPAR_DEBUG must be 0 or 1, not {value!r}")
+    if value not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ValueError(f"PYMPAR_DEBUG must be 0 or 1, not {value!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 def _check_timeout(seconds: float | None) -> float | None:
@@ -95,16 +91,9 @@ def is_enabled() -> bool:
 
 
 def set_timeout(seconds: float | None) -> None:
-    """Set the collective timeout in seconds; ``None`` turns it off.
-
-    Set it alike on every rank of a group (timed collectives are MPI's non-blocking
-    variants, which never match the blocking ones).
-
-    Raises
-    ------
-    ValueError
-        When ``seconds`` is not ``None`` and not > 0.
-    """
+    """Set the collective timeout in seconds (> 0; ``None`` turns it off), alike on every
+    rank of a group: timed collectives are MPI's non-blocking variants, which never match
+    the blocking ones."""
     global _timeout
     _timeout = _check_timeout(seconds)
 
@@ -119,14 +108,7 @@ _KEEP: Any = object()
 
 @contextlib.contextmanager
 def debug_mode(enabled: bool = True, timeout: float | None = _KEEP) -> Iterator[None]:
-    """Set debug mode (and optionally the timeout) inside a ``with`` block.
-
-    Parameters
-    ----------
-    enabled : bool, default True
-        Debug mode inside the block.
-    timeout : float or None, optional
-        Timeout inside the block; unchanged when not given.
+    """Set debug mode (``enabled``) and, when given, the timeout inside a ``with`` block.
 
     Examples
     --------
@@ -156,19 +138,9 @@ def _call_site() -> str:
 
 
 def report(group: Any, shown: str) -> None:
-    """Raise :class:`CollectiveMismatchError` naming every rank's call (collective).
-
-    Called by every rank of ``group`` once the agreement check found that their calls
-    differ: every rank sent its description ``shown`` (with, in debug mode, where it was
-    made), so every rank raises the same error.
-
-    Parameters
-    ----------
-    group : Group
-        The group of the check.
-    shown : str
-        This rank's call in words.
-    """
+    """Raise :class:`CollectiveMismatchError` naming every rank's call ``shown`` (with, in
+    debug mode, where it was made); collective: every rank of ``group`` calls it once the
+    agreement check found that their calls differ, so every rank raises the same error."""
     if _enabled:
         shown = f"{shown} at {_call_site()}"
     data = shown.encode("utf-8", "replace")[:SLOT_BYTES]

@@ -7,7 +7,7 @@ the check, see :mod:`pympar._agreement`); a timeout is raised by the rank that w
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mpi4py import MPI
 
@@ -39,19 +39,8 @@ def where(group: Any, rank: int) -> str:
 
 def timeout_error(operation: str, group: Any, timeout: float,
                   request: MPI.Request | None) -> CollectiveTimeoutError:
-    """The error of ``operation`` on ``group`` still pending after ``timeout`` seconds.
-
-    Parameters
-    ----------
-    operation : str
-        The call in words.
-    group : Group
-        The group it runs on.
-    timeout : float
-        Seconds allowed.
-    request : mpi4py.MPI.Request or None
-        The pending operation (None for the shared-memory agreement check).
-    """
+    """The error of ``operation`` (in words) on ``group`` still pending after ``timeout``
+    seconds; ``request`` is the pending operation (None for the shared-memory check)."""
     error = CollectiveTimeoutError(
         f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
         f"on {where(group, group.rank)} of {group.size}: another rank of the group "
@@ -61,22 +50,17 @@ def timeout_error(operation: str, group: Any, timeout: float,
     return error
 
 
-def wait(request: MPI.Request, operation: str, group: Any, timeout: float | None) -> None:
-    """Complete ``request``: at once without a timeout, else polled for ``timeout`` seconds.
-
-    Raises
-    ------
-    CollectiveTimeoutError
-        When the request is still pending at the deadline; it stays pending, so the
-        group cannot be used again.
-    """
+def wait(request: MPI.Request, operation: str, group: Any, timeout: float | None,
+         error: Callable[..., CollectiveTimeoutError] = timeout_error) -> None:
+    """Complete ``request``: at once without a timeout, else polled for ``timeout`` seconds,
+    then raise ``error(operation, group, timeout, request)`` (the request stays pending)."""
     if timeout is None:
         request.Wait()
         return
     deadline, delay = time.monotonic() + timeout, 1e-5
     while not request.Test():
         if time.monotonic() >= deadline:
-            raise timeout_error(operation, group, timeout, request)
+            raise error(operation, group, timeout, request)
         # Back off from 10 us to 1 ms: short calls finish with little added latency,
         # long ones do not burn a core another rank may need.
         time.sleep(delay)

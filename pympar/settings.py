@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
 from . import debug
-from .errors import CollectiveMismatchError, CollectiveTimeoutError
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, wait
 
 __all__ = ["MUST_AGREE", "settings", "check_settings", "check_same"]
 
@@ -42,24 +41,15 @@ def settings() -> dict[str, list[str]]:
             for name, value in effective.items()}
 
 
-def _wait(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
-    """Wait for ``request``, at most this rank's timeout (then CollectiveTimeoutError)."""
-    timeout = debug.get_timeout()
-    if timeout is None:
-        request.Wait()
-        return
-    deadline, pause = time.monotonic() + timeout, 1e-5
-    while not request.Test():
-        if time.monotonic() >= deadline:
-            error = CollectiveTimeoutError(
-                f"{what} did not complete within {timeout:g} s on rank {comm.Get_rank()} of "
-                f"{comm.Get_size()}: other ranks of the communicator have not called it (the "
-                "ranks that did not call it cannot know and wait in their own next "
-                "collective); the communicator is no longer usable")
-            error.request = request
-            raise error
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+def _timeout_error(what: str, comm: MPI.Comm, timeout: float,
+                   request: MPI.Request) -> CollectiveTimeoutError:
+    error = CollectiveTimeoutError(
+        f"{what} did not complete within {timeout:g} s on rank {comm.Get_rank()} of "
+        f"{comm.Get_size()}: other ranks of the communicator have not called it (the ranks "
+        "that did not call it cannot know and wait in their own next collective); the "
+        "communicator is no longer usable")
+    error.request = request
+    return error
 
 
 def check_settings(seen: list[dict[str, list[str]]]) -> None:
@@ -124,7 +114,7 @@ def check_same(comm: MPI.Comm, what: str, arguments: str) -> None:
     effective = {name: value for name, (value, _) in mine.items()}
     send = np.array([zlib.crc32(json.dumps([call, effective]).encode())], np.uint32)
     sums = np.empty(comm.Get_size(), np.uint32)
-    _wait(comm, comm.Iallgather(send, sums), what)
+    wait(comm.Iallgather(send, sums), what, comm, debug.get_timeout(), _timeout_error)
     if (sums == sums[0]).all():
         return
     # Every rank saw the same checksums, so every rank takes this (rare) path.

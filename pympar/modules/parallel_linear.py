@@ -323,15 +323,8 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
         """Return the input gradient in the input's layout (None with ``input_grad=False``);
-        accumulate the gradients of the weight and bias unless they are frozen.
-
-        Parameters
-        ----------
-        dy : array
-            Gradient of the output, in the layout ``forward`` returned.
-        dbias : array, optional
-            With ``skip_bias_add``: the gradient of the returned bias.
-        """
+        accumulate the gradients of the weight and bias unless they are frozen; ``dy`` and
+        ``dbias`` as in :meth:`ColumnParallelLinear.backward`."""
         x2d, x_shape, y_shape = self.saved_tensors()
         with self.agreement("backward", dy, self.group,
                             (0,) if self.use_sequence_parallel else (),
