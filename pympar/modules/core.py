@@ -163,8 +163,8 @@ class Module:
             key = (name, x.dtype.str, shape, extra)
         else:
             key = (name, f"not an array: {type(x).__name__}", None, extra)
-        if refused is not None:
-            key += (f"refused by this rank: {refused}",)
+        if refused is not None:  # the fact, not the text: messages name rank-local groups
+            key += (f"refused by this rank ({type(refused).__name__})",)
         sig = _SIGNATURES.get(key)
         if sig is None:
             if len(_SIGNATURES) >= _MAX_SIGNATURES:
@@ -172,11 +172,11 @@ class Module:
             sig = _SIGNATURES[key] = zlib.crc32(repr(key).encode()) | 1
         if not learn or refused is not None:
             if not board.agree(sig, group, name, debug._timeout):
-                debug.report(group, _described(x, key))
+                debug.report(group, _described(x, key, refused))
             if refused is not None:  # every rank refused alike: each raises its own error
                 raise refused
             return block
-        return Label(block.name, _agreement.extents(group, sig, _described(x, key), None,
+        return Label(block.name, _agreement.extents(group, sig, _described(x, key, None), None,
                                                     x.shape[sizes_of]))
 
     # -- forward / backward ------------------------------------------------------------
@@ -371,10 +371,12 @@ class Module:
         return "\n".join(lines) + "\n)"
 
 
-def _described(x: Any, key: tuple) -> str:
+def _described(x: Any, key: tuple, refused: Exception | None) -> str:
     """A layer's call in words (``key`` is what its agreement compares), for the report."""
     name, dtype, shape, extra = key[:4]
-    extra = "".join(f", {e}" for e in (*extra, *key[4:]))
+    extra = "".join(f", {e}" for e in extra)
+    if refused is not None:
+        extra += f", refused by this rank: {refused}"
     if shape is None:
         return f"{name} with input {dtype}{extra}"
     return (f"{name} with input of shape {tuple(x.shape)} (compared: {shape}, -1 split) and "
