@@ -1,63 +1,54 @@
 """Array collectives of :class:`~pympar.group.Group`, for NumPy and CuPy arrays.
 
 ``Group.all_reduce`` and its siblings are these functions (the group comes first; a last
-``label=`` names the caller in statistics and errors, as mappings do). Every operation
-takes one path:
-
-1. **validate** the input (an array; native byte order; a dtype MPI can move);
-2. **plan**: look up, or build once, the :class:`~pympar._plans.Plan` of (operation,
-   shape, dtype, axis, sizes): output shape, MPI method, counts, rank blocks, key;
-3. **check** that every rank makes the same call: one agreement check
-   (:mod:`pympar._agreement`);
-4. **pack** the input into the buffer MPI reads (itself when it is C-contiguous);
-5. **call MPI** (blocking, or non-blocking polled under ``PYMPAR_TIMEOUT``);
-6. **unpack** into the result (``out``, or a new C-contiguous array).
+``label=`` names the caller in statistics and errors, as mappings do). Each returns
+``out``, or a new C-contiguous array of ``x``'s module and dtype, after one path:
+**validate** the input (an array; a dtype MPI can move; native byte order), **plan**
+(look up, or build once, the :class:`~pympar._plans.Plan` of the call), **check** that
+every rank makes the same call (:mod:`pympar._agreement`), **pack** into the buffer MPI
+reads (the input itself when C-contiguous), **call MPI** (non-blocking and polled under
+``PYMPAR_TIMEOUT``), **unpack** into the result.
 
 Notes
 -----
-* Agreement: before its data call every call of more than one rank checks that all
-  ranks pass the same operation, dtype, extents (those not gathered), axis, sizes, root,
-  op and :func:`label`. Every collective makes the same check, so ranks making
-  different calls meet in it and raise the same
-  :class:`~pympar.errors.CollectiveMismatchError`; a rank refusing its own arguments
-  joins it with a signature no call has (:func:`refuse`), so the others raise too. On
-  one node the check is a write and a read of shared memory (about 1 us); across nodes
-  one 8-byte ``Iallgather``.
-* Layout: MPI sees C-contiguous buffers only. A non-leading axis is packed into (or
+* Agreement: every call of more than one rank first checks that all ranks pass the same
+  operation, dtype, extents (those not gathered), axis, sizes, root, op and
+  :func:`label`. Every collective makes the same check, so ranks making different calls
+  meet in it and raise the same :class:`~pympar.errors.CollectiveMismatchError`; a rank
+  refusing its own arguments joins it with a signature no call has (:func:`refuse`). On
+  one node the check is a write and a read of shared memory; across nodes one 8-byte
+  ``Iallgather``.
+* Layout: MPI sees C-contiguous buffers only; a non-leading axis is packed into (or
   unpacked from) rank-major blocks in a cached scratch buffer, so results follow
-  ``numpy.concatenate`` and ``numpy.array_split``.
-* Sizes: uneven extents follow the balanced rule of ``numpy.array_split``
-  (:mod:`pympar.partition`). A gather given no ``sizes=`` learns every rank's extent in
-  one small exchange after its check; ``sizes=`` (every rank's extent, in group-rank
-  order) spares it.
+  ``numpy.concatenate`` and ``numpy.array_split`` (uneven extents: the balanced rule of
+  :mod:`pympar.partition`). A gather given no ``sizes=`` learns every rank's extent in
+  one small exchange after its check.
 * Counts above 2**31 - 1 go to MPI-4 libraries as they are; for MPI-3 the data moves in
-  units of a contiguous derived datatype (gathers, all-to-all) or in chunks
-  (all-reduce, broadcast). Built-in reductions refuse derived datatypes, so there a
-  reduce-scatter is an all-reduce that keeps this rank's block.
+  units of a contiguous derived datatype (gathers, all-to-all) or in chunks (all-reduce,
+  broadcast); a reduce-scatter is then an all-reduce that keeps this rank's block.
 * dtypes: bool reduces with logical or (sum, max) and and (min), as NumPy's ufuncs do;
-  float16 and bfloat16 sum in float32; complex has no max/min. ``max``/``min`` with NaN
-  give what MPI gives, not NumPy's propagation: test ``numpy.isnan`` first where it matters.
+  float16 and bfloat16 sum in float32; complex has no max/min; ``max``/``min`` with NaN
+  give what MPI gives, not NumPy's propagation.
 * CuPy: device buffers go to MPI directly when :func:`pympar.backend.cuda_aware`, else
-  through pinned host buffers (:func:`pympar.backend.to_wire`). Under a timeout the data
-  call of device buffers stays blocking (non-blocking collectives on device memory are
-  not supported by every CUDA-aware MPI); the check before it is timed.
+  through pinned host buffers. Under a timeout the data call of device buffers stays
+  blocking (not every CUDA-aware MPI supports non-blocking collectives on device
+  memory); the check before it is timed.
 """
 
 from __future__ import annotations
 
 import operator
-import time
 import zlib
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _agreement, backend, debug, stats
+from . import _agreement, backend
 from ._agreement import agree, label, refuse
 from ._comm_state import Communicator
-from ._plans import Blocks, Plan, in_units, pack, unpack
-from .errors import CollectiveMismatchError, wait
+from ._plans import Blocks, Plan, in_units
+from ._transfer import claim as out_claim, run
 from .partition import balanced_sizes, block_slice
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
@@ -151,188 +142,6 @@ def _finish(group: Communicator, plan: Plan, key: tuple, numbers: tuple[int, ...
     return group._state.remember(key, plan)
 
 
-def _span(a: Any) -> tuple[int, int]:
-    """The byte range ``a``'s elements lie in (device pointers for CuPy)."""
-    face = a.__array_interface__ if type(a) is np.ndarray else a.__cuda_array_interface__
-    lo = hi = face["data"][0]
-    for n, step in zip(a.shape, a.strides):
-        if n == 0:
-            return lo, lo
-        lo, hi = (lo, hi + (n - 1) * step) if step > 0 else (lo + (n - 1) * step, hi)
-    return lo, hi + a.itemsize
-
-
-def _overlaps(out: Any, x: Any) -> bool:
-    """Whether ``out`` shares memory with ``x`` without being it. Two arrays that each own
-    their memory cannot overlap: the common case skips the comparison."""
-    if out is x or (out.base is None and x.base is None):
-        return False
-    if type(x) is np.ndarray:
-        return bool(np.may_share_memory(out, x))
-    (a, b), (c, d) = _span(out), _span(x)
-    return a < d and c < b
-
-
-def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
-           dtype: np.dtype | None = None) -> Exception:
-    """The error of an ``out`` that is not an array of ``x``'s kind, dtype and ``shape``."""
-    return (TypeError if type(out) is not type(x) else ValueError)(
-        f"{shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} and "
-        f"dtype {getattr(out, 'dtype', '?')}, which does not fit: expected a "
-        f"{type(x).__name__} of shape {shape} and dtype {dtype or x.dtype}"
-        + (" (-1: the gathered extent)" if -1 in shape else ""))
-
-
-def _dest(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
-    """The C-contiguous array MPI (or the unpacking) writes for ``out``: ``out`` itself, or
-    scratch for a non-contiguous one; raises for an ``out`` that does not
-    fit or that overlaps ``x`` (``out`` may be ``x`` itself where the operation allows)."""
-    if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        if out is not x and (out.base is not None or x.base is not None) and _overlaps(out, x):
-            raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
-                             f"pass a separate array")
-        return out if out.flags.c_contiguous else \
-            group._state.scratch("dest", out.shape, x.dtype, x)
-    raise _unfit(x, out, plan.out_shape, plan.shown)
-
-
-def _claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> int:
-    """What a gather of unknown extents tells the others of its ``out``: 0 without one,
-    else its extent along ``axis`` plus one, after refusing an ``out`` that cannot fit
-    whatever the extents are (``shape`` is the result's, with -1 along ``axis``)."""
-    if out is None:
-        return 0
-    native = x.dtype.newbyteorder("=")  # the result's dtype, and so out's
-    if (type(out) is type(x) and out.dtype == native and out.ndim == len(shape)
-            and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
-        if _overlaps(out, x):
-            raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
-        return out.shape[axis] + 1
-    raise _unfit(x, out, shape, shown, native)
-
-
-# --------------------------------------------------------------------------- the path
-
-
-def _run(group: Communicator, plan: Plan, x: Any, out: Any, name: str | None,
-         checked: bool = False) -> Any:
-    """Check, then move: the common tail of every collective (``checked``: already done)."""
-    if plan.swap:
-        x = x.astype(x.dtype.newbyteorder("="))
-    own = name
-    if _agreement._label is not None:
-        name = f"{_agreement._label}/{name}" if name else _agreement._label
-    try:
-        dest = None if out is None else _dest(group, plan, x, out)
-    except (TypeError, ValueError) as err:
-        if not checked:
-            refuse(group, plan.key[0], err)
-        raise
-    if not checked and group.size > 1 and not group._state.board.agree(
-            plan.signatures.get(name) or plan.signature(name), group, plan.shown,
-            debug._timeout):
-        debug.report(group, _agreement.describe(plan.shown, name))
-    if not stats._active:
-        return _move(group, plan, x, dest, out)
-    start = time.perf_counter()
-    y = _move(group, plan, x, dest, out)
-    # A layer's collectives keep their kind ("Linear3D.forward:all_gather"); a mapping's
-    # label already says it.
-    kind = own or (f"{name}:{plan.key[0]}" if name else plan.key[0])
-    stats.add(group.name, kind, x.nbytes, y.nbytes, time.perf_counter() - start)
-    return y
-
-
-def _move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
-    """Pack, call MPI, unpack."""
-    numpy = type(x) is np.ndarray
-    if dest is None:
-        dest = (np.empty if numpy else backend.array_module(x).empty)(plan.out_shape, x.dtype)
-    if group.size == 1:
-        dest[...] = x
-    else:
-        sb, rb, method, state = plan.send, plan.recv, plan.method, group._state
-        if method == "Bcast":
-            send = None
-            if group.rank == plan.tail[0] and dest is not x:
-                dest[...] = x
-        elif sb is not None:
-            send = state.scratch("send", sb.scratch_shape, plan.work, x)
-            pack(send, x, sb)
-        elif dest is x and not plan.cast:
-            send = _IN_PLACE  # an in-place all_reduce
-        elif x.flags.c_contiguous and not plan.cast:
-            send = x
-        else:
-            send = state.scratch("send", x.shape, plan.work, x)
-            send[...] = x  # C order (never memory order), float32 for half precision
-        if rb is not None:
-            recv = state.scratch("recv", rb.scratch_shape, plan.work, x)
-        elif plan.cast:
-            recv = state.scratch("acc", plan.out_shape, plan.work, x)
-        else:
-            recv = dest
-        wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
-        call = getattr(group.comm, method)
-        timed = debug._timeout is not None and type(wrecv) is np.ndarray
-        try:
-            if plan.chunk is None and not timed:
-                receive = [wrecv, *plan.recv_spec]
-                if wsend is None:
-                    call(receive, *plan.tail)
-                elif wsend is _IN_PLACE:
-                    call(wsend, receive, *plan.tail)
-                else:
-                    call([wsend, *plan.send_spec], receive, *plan.tail)
-            else:
-                _call_in_parts(group, plan, wsend, wrecv, timed)
-        except MPI.Exception as err:
-            if err.Get_error_class() != MPI.ERR_TRUNCATE:
-                raise
-            raise CollectiveMismatchError(
-                f"{plan.shown} on group {group.name!r}: MPI received more data than this "
-                f"rank expects (message truncated): the ranks passed arrays of different "
-                f"shapes or sizes") from err
-        if not numpy:
-            backend.from_wire(recv, wrecv)
-        if rb is not None:
-            unpack(dest, recv, rb)
-        elif recv is not dest:
-            dest[...] = recv  # rounds float32 sums back to half precision
-    if out is None or dest is out:
-        return dest
-    out[...] = dest  # a non-contiguous out, written once at the end
-    return out
-
-
-def _call_in_parts(group: Communicator, plan: Plan, send: Any, recv: Any, timed: bool) -> None:
-    """The data call under a timeout (its non-blocking twin, polled) or, for MPI-3 and a
-    count above INT_MAX, as a few calls on consecutive slices."""
-    method = plan.method
-    if timed:
-        method = "I" + method[0].lower() + method[1:]  # Allgatherv -> Iallgatherv
-    call = getattr(group.comm, method)
-    if plan.chunk is None:
-        parts = [(send, recv)]
-    else:
-        flat_r = recv.reshape(-1)
-        flat_s = send.reshape(-1) if send is not None and send is not _IN_PLACE else send
-        parts = [(flat_s[lo:lo + plan.chunk] if flat_s is not None and flat_s is not _IN_PLACE
-                  else flat_s, flat_r[lo:lo + plan.chunk])
-                 for lo in range(0, flat_r.size, plan.chunk)]
-    for s, r in parts:
-        request = call(*_args(plan, s, r))
-        if timed:
-            wait(request, plan.shown, group, debug._timeout)
-
-
-def _args(plan: Plan, send: Any, recv: Any) -> tuple:
-    receive = [recv, *plan.recv_spec]
-    if send is None:
-        return (receive, *plan.tail)
-    return (send if send is _IN_PLACE else [send, *plan.send_spec], receive, *plan.tail)
-
-
 # --------------------------------------------------------------------------- operations
 
 
@@ -351,10 +160,6 @@ def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
         Where to write the result (same module, shape and dtype as ``x``). It may be
         ``x`` itself (in place); otherwise it must not overlap ``x``.
 
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
 
     Raises
     ------
@@ -377,7 +182,7 @@ def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
     except (TypeError, ValueError) as err:
         refuse(group, "all_reduce", err)
         raise
-    return _run(group, plan, x, out, label)
+    return run(group, plan, x, out, label)
 
 
 def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
@@ -393,11 +198,6 @@ def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
         The sending rank, as a rank in this group (not a global rank).
     out : array, optional
         Where to write the result; may be ``x`` (in place).
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
     """
     try:
         if type(x) is not np.ndarray:
@@ -416,7 +216,7 @@ def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
     except (TypeError, ValueError) as err:
         refuse(group, "broadcast", err)
         raise
-    return _run(group, plan, x, out, label)
+    return run(group, plan, x, out, label)
 
 
 def _learn_sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str, key: tuple,
@@ -424,8 +224,8 @@ def _learn_sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str, 
     """Every rank's extent along ``axis``, and whether the call's check was made for it.
 
     Given ``sizes``, they are checked against this rank's extent. Else every rank's
-    extent (and each rank's ``claim``, see :func:`_claim`) is learned after the check of
-    ``key``, the call with this axis's extent masked.
+    extent (and each rank's ``claim``, see :func:`pympar._transfer.claim`) is learned
+    after the check of ``key``, the call with this axis's extent masked.
     """
     extent = x.shape[axis]
     if sizes is not None:
@@ -464,11 +264,6 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
         Every rank's extent along ``axis``, indexed by rank in this group, when the
         caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it the
         ranks learn each other's extents in one small exchange.
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
     """
     checked = False
     try:
@@ -479,7 +274,7 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
                 raise ValueError("all_gather needs an array of at least one dimension")
             ax = _axis(axis, x.ndim, "all_gather")
             masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
-            claim = 0 if sizes is not None else _claim(x, out, ax, masked, "all_gather")
+            claim = 0 if sizes is not None else out_claim(x, out, ax, masked, "all_gather")
             sizes, checked = _learn_sizes(group, x, ax, sizes, "all_gather", (masked, ax),
                                           claim)
         key = ("all_gather", x.shape, x.dtype, axis, sizes)
@@ -502,7 +297,7 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
         if not checked:  # after the exchange, every rank raises alike
             refuse(group, "all_gather", err)
         raise
-    return _run(group, plan, x, out, label, checked)
+    return run(group, plan, x, out, label, checked)
 
 
 def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
@@ -522,11 +317,6 @@ def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
         Where to write this rank's block; must not overlap ``x``.
     op : {"sum", "max", "min"}
         The reduction, as in :func:`all_reduce`.
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
     """
     try:
         if type(x) is not np.ndarray:
@@ -561,7 +351,7 @@ def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
             return mine.copy()
         out[...] = mine
         return out
-    return _run(group, plan, x, out, label)
+    return run(group, plan, x, out, label)
 
 
 def _split_concat(x: Any, split_axis: Any, concat_axis: Any) -> tuple[int, int]:
@@ -596,11 +386,6 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
     sizes : sequence of int, optional
         Every rank's extent along ``concat_axis``, indexed by group rank; otherwise
         the ranks learn them in one small exchange.
-
-    Returns
-    -------
-    array
-        ``out``, or a new C-contiguous array of ``x``'s module and dtype.
     """
     checked = False
     try:
@@ -613,7 +398,7 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
             if sizes is None:
                 mine = list(masked)
                 mine[split] = balanced_sizes(x.shape[split], group.size)[group.rank]
-                claim = _claim(x, out, cat, tuple(mine), "all_to_all")
+                claim = out_claim(x, out, cat, tuple(mine), "all_to_all")
             sizes, checked = _learn_sizes(group, x, cat, sizes, "all_to_all",
                                           (masked, split, cat), claim)
         key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
@@ -641,4 +426,4 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
         if not checked:  # after the exchange, every rank raises alike
             refuse(group, "all_to_all", err)
         raise
-    return _run(group, plan, x, out, label, checked)
+    return run(group, plan, x, out, label, checked)
