@@ -15,8 +15,8 @@ both allocate the result with ``numpy.empty``) and run interleaved, ABBA (raw fi
 then pympar first), so drift and cache order effects cancel. Each sample is a batch of
 calls between barriers, long enough to time; its time is the slowest rank's. The table
 shows medians over the repeats; ratio and extra are medians of adjacent (raw, pympar)
-pairs; "check" is the cost of the default agreement check (pympar against itself with
-the check off; zero below ``pympar.collectives.CHECK_BYTES``); "floor" is what the bare
+pairs; "check" is the cost of the agreement check (pympar against itself with the
+group's board replaced by one that agrees at once); "floor" is what the bare
 minimum of any check made before the data call costs: raw code preceded by a handshake
 of one word per rank in shared memory, written then polled, without any pympar code.
 """
@@ -39,7 +39,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import timed_parallel  # noqa: E402
-from pympar import _board, collectives, mappings  # noqa: E402
+from pympar import _board, mappings  # noqa: E402
 from pympar.collectives import balanced_sizes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
 
@@ -223,17 +223,28 @@ def handshake(comm: MPI.Intracomm) -> Callable[[], None] | None:
     return meet
 
 
-def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
+class _Agreeing:
+    """A board whose check agrees at once: pympar's path without its agreement check."""
+
+    shared = True
+
+    def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
+        return True
+
+
+def measure(group: Any, raw: Callable, mpi_only: Callable, ours: Callable,
             repeats: int, warmup: int, meet: Callable[[], None] | None) -> dict[str, Any]:
     """Medians over interleaved samples (raw, pympar, pympar unchecked, floor, mpi; ABBA).
 
     ``ratio`` and ``extra`` are medians of the per-pair ratios and differences of adjacent
     raw and pympar samples, which cancels slow drift of the machine; ``check_us`` the
     median difference between pympar with its default agreement check and pympar with
-    the check switched off (``CHECK_BYTES`` raised above every size); ``floor_us`` the
+    the check switched off (:class:`_Agreeing` in place of the board); ``floor_us`` the
     median difference between raw code preceded by ``meet`` (see :func:`handshake`) and
     raw code alone (None without ``meet``).
     """
+    comm = group.comm
+
     def floor() -> None:
         meet()
         raw()
@@ -244,14 +255,13 @@ def measure(comm: MPI.Comm, raw: Callable, mpi_only: Callable, ours: Callable,
     single = timed_parallel(comm, ours, 3)
     # Batches of >= ~2 ms so timer and barrier noise stay small at 1 KiB.
     calls = comm.bcast(max(1, min(2000, int(2e-3 / max(single, 1e-7)))))
-    default = collectives.CHECK_BYTES
-
     def unchecked() -> float:
-        collectives.CHECK_BYTES = 1 << 62
+        state = group._state
+        board, state.board = state.board, _Agreeing()
         try:
             return timed_parallel(comm, ours, calls)
         finally:
-            collectives.CHECK_BYTES = default
+            state.board = board
 
     raws, ourss, offs, floors, mpis = [], [], [], [], []
     for i in range(repeats):
@@ -299,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             # The rows that move nothing between ranks are never checked: no floor.
             communicates = name.split(" ")[0] not in LOCAL
-            timing = measure(group.comm, raw, mpi_only, ours, args.repeats, args.warmup,
+            timing = measure(group, raw, mpi_only, ours, args.repeats, args.warmup,
                              meet if communicates else None)
             rows.append({"op": name, "bytes": nbytes, "communicates": communicates, **timing})
     if WORLD.rank != 0:

@@ -1,31 +1,21 @@
-"""Plans and scratch buffers of the collectives (private to :mod:`pympar.collectives`).
+"""Plans of the collectives: what a call needs that depends only on its metadata (private).
 
-* A :class:`Plan` is everything a call needs that depends only on metadata (operation,
-  shape, dtype, axis, sizes): the output shape, the MPI method and its count arguments,
-  how the input and the result are cut into rank blocks, and the call's signature for the
-  agreement check. Each group keeps its plans in ``group._plans``.
-* :class:`Blocks` cuts an axis into one block per rank; :func:`pack` and :func:`unpack`
-  move a non-leading axis between its array and rank-major order (casting on the way).
-* Scratch: each group keeps a bounded cache of temporaries (``group._buffers``, at most
-  ``MAX_BUFFERS`` arrays and ``MAX_BUFFER_BYTES`` bytes, oldest evicted first).
+A :class:`Plan` is computed once per call kind and cached on the group's
+:class:`~pympar._comm_state.CommState`. :class:`Blocks` cuts an axis into rank blocks;
+:func:`pack` and :func:`unpack` move a non-leading axis to and from rank-major order;
+:func:`in_units` re-expresses counts beyond an MPI-3 ``int`` in a derived datatype, which
+the plan owns and frees (:meth:`Plan.free`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import zlib
 from typing import Any
 
 import numpy as np
-
-from . import backend
-
-MAX_BUFFERS = 16
-MAX_BUFFER_BYTES = 2**31  # per group; one larger message still gets its buffer
-MAX_PLANS = 512
-HUGE_PAGE = 2 << 20
-#: Scratch arrays of this many bytes or more start on a HUGE_PAGE boundary (see _aligned).
-ALIGNED_FROM = 8 << 20
+from mpi4py import MPI
 
 
 class Blocks:
@@ -73,75 +63,44 @@ def unpack(dest: Any, flat: Any, b: Blocks) -> None:
 
 
 class Plan:
-    """What one collective call needs that depends only on metadata, computed once per key.
+    """What one collective call needs that depends only on metadata, computed once.
 
-    ``method`` is the blocking mpi4py method (``Iallgather`` is ``Allgather``'s twin);
-    the call is ``method([send, *send_spec], [recv, *recv_spec], *tail)``, without the send
-    part for ``Bcast``. ``send``/``recv`` are the rank blocks to pack/unpack when they do not
-    lie rank-major in memory, else None. ``work`` is the dtype on the wire (float32 for
-    half-precision sums); ``chunk`` splits a single-buffer call whose count MPI-3 cannot
-    express. ``key`` is what every rank must pass alike; ``sig`` its checksum, ``checks`` the
-    agreement check's signature per label (built once); ``nbytes`` the size of the global
-    array, the same on every rank of a correct call.
+    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (without the
+    send part for ``Bcast``; ``method`` is the blocking mpi4py name). ``send``/``recv``
+    are the rank blocks to pack/unpack when they do not lie rank-major in memory, else
+    None. ``work`` is the dtype on the wire (float32 for half-precision sums); ``chunk``
+    splits a single-buffer call whose count MPI-3 cannot express. ``key`` is what every
+    rank must pass alike and ``shown`` the call in words; :meth:`signature` hashes the key
+    with a label for the agreement check.
     """
 
     __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "op", "method", "send_spec",
-                 "recv_spec", "tail", "send", "recv", "chunk", "key", "sig", "nbytes", "shown",
-                 "checks")
+                 "recv_spec", "tail", "send", "recv", "chunk", "key", "shown", "signatures",
+                 "derived")
 
-    def __init__(self, **fields: Any) -> None:
-        self.send = self.recv = self.chunk = None
-        # label -> the agreement check's 32-bit signature of this call under that label
-        self.checks: dict[str | None, bytes | int] = {}
+    def __init__(self, out_shape: tuple[int, ...], work: np.dtype, swap: bool,
+                 mpi_type: MPI.Datatype, op: MPI.Op | None, key: tuple, shown: str) -> None:
+        self.out_shape, self.work, self.swap = out_shape, work, swap
+        self.mpi_type, self.op, self.key, self.shown = mpi_type, op, key, shown
+        self.cast = False
+        self.method: str | None = None
+        self.send_spec = self.recv_spec = (mpi_type,)
         self.tail: tuple = ()
-        for name, value in fields.items():
-            setattr(self, name, value)
+        self.send = self.recv = self.chunk = self.derived = None
+        self.signatures: dict[str | None, int] = {}
 
+    def signature(self, label: str | None) -> int:
+        """The agreement check's 32-bit signature of this call under ``label`` (odd)."""
+        sig = self.signatures.get(label)
+        if sig is None:
+            sig = self.signatures[label] = zlib.crc32(repr((self.key, label)).encode()) | 1
+        return sig
 
-def remember(group: Any, key: tuple, plan: Plan) -> Plan:
-    if len(group._plans) >= MAX_PLANS:
-        group._plans.clear()
-    group._plans[key] = plan
-    return plan
-
-
-def scratch(group: Any, slot: str, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
-    """The group's C-contiguous scratch array for ``slot`` (contents undefined).
-
-    Allocated on first use with the array module of ``like``; the cache holds at most
-    ``MAX_BUFFERS`` arrays and ``MAX_BUFFER_BYTES`` bytes, evicting the oldest first.
-    """
-    numpy = type(like) is np.ndarray
-    key = (slot, shape, dtype, numpy)
-    buffers = group._buffers
-    buffer = buffers.get(key)
-    if buffer is None:
-        nbytes = math.prod(shape) * dtype.itemsize
-        while buffers and (len(buffers) >= MAX_BUFFERS or
-                           sum(b.nbytes for b in buffers.values()) + nbytes > MAX_BUFFER_BYTES):
-            del buffers[next(iter(buffers))]
-        if numpy and nbytes >= ALIGNED_FROM:
-            buffer = buffers[key] = _aligned(shape, dtype, nbytes)
-        else:
-            xp = np if numpy else backend.array_module(like)
-            buffer = buffers[key] = xp.empty(shape, dtype)
-    return buffer
-
-
-def _aligned(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
-    """An empty array starting on a :data:`HUGE_PAGE` boundary (one page more is allocated).
-
-    Linux backs large NumPy allocations with transparent huge pages only on whole,
-    aligned 2 MiB pages; where a buffer starts inside one decides how much of it gets
-    them. On the 2-core test VM (``bench_mappings.py``, same-job A/B, several runs), the
-    rows through scratch of 8 MiB or more ran 5-20% faster aligned (16 MiB packs of a
-    hidden-axis block, the 8 MiB receive buffers of 4 MiB gathers); rows through 4 MiB
-    scratch scattered from 0.77x to 1.24x raw from run to run, aligned or not, so
-    :data:`ALIGNED_FROM` leaves them as NumPy allocates them.
-    """
-    raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
-    start = -raw.ctypes.data % HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    def free(self) -> None:
+        """Free the derived datatype of :func:`in_units`, if any."""
+        if self.derived is not None:
+            self.derived.Free()
+            self.derived = None
 
 
 def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
@@ -157,7 +116,7 @@ def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
     if not unit:
         raise ValueError(f"{plan.shown}: counts up to {largest} exceed {int_max}, and no "
                          f"common unit lets an MPI-3 library express them; use MPI-4")
-    derived = plan.mpi_type.Create_contiguous(unit).Commit()
+    derived = plan.derived = plan.mpi_type.Create_contiguous(unit).Commit()
 
     def convert(spec: tuple) -> tuple:
         if len(spec) == 1:  # mpi4py derives the count from the buffer's size

@@ -33,7 +33,7 @@ _CHECK_TAG = 29  # the neighbour check's messages
 
 
 def agree_all(groups: Sequence[Group], key: tuple, shown: str,
-              error: Exception | None = None, always_checked: bool = True) -> None:
+              error: Exception | None = None) -> None:
     """One agreement check in each of ``groups``, so that a refusal reaches every rank.
 
     Every rank calls this with its groups in the same (axis) order. A rank with ``error``
@@ -51,10 +51,6 @@ def agree_all(groups: Sequence[Group], key: tuple, shown: str,
         This rank's call in words, for the error message.
     error : Exception, optional
         This rank's own refusal; raised after the checks when no check failed first.
-    always_checked : bool, default True
-        Whether the others surely make this check. False (a call that a raised
-        ``PYMPAR_CHECK_BYTES`` leaves unchecked, as :func:`pympar.collectives.refuse`
-        says) raises ``error`` on this rank alone, at once.
 
     Raises
     ------
@@ -63,8 +59,6 @@ def agree_all(groups: Sequence[Group], key: tuple, shown: str,
     Exception
         ``error``, on the ranks that refused (every rank raises ``error`` when all did).
     """
-    if error is not None and not always_checked:
-        raise error  # the others may not check: joining them could wait for ever
     failure = error
     for group in groups:
         if group.size == 1:
@@ -76,7 +70,7 @@ def agree_all(groups: Sequence[Group], key: tuple, shown: str,
                 failure = err
         else:
             try:
-                collectives.refuse(group, shown, failure, always_checked=True)
+                collectives.refuse(group, shown, failure)
             except debug.CollectiveMismatchError:
                 pass  # the others of this group raise; this rank goes on to the next group
     if failure is not None:

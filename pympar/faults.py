@@ -9,12 +9,12 @@
    collective. This comes before any collective, so that an error inside
    ``initialize_parallel`` itself ends the job too;
 2. compares, with one timed non-blocking allgather of a checksum, the settings
-   every rank must share (``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` and
-   ``PYMPAR_CHECK_BYTES``, as in effect), so that ``initialize_parallel`` called
+   every rank must share (``PYMPAR_DEBUG`` and ``PYMPAR_TIMEOUT``, as in
+   effect), so that ``initialize_parallel`` called
    on only some ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
    within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
    different settings raise :class:`ValueError` on every rank, naming the
-   variable and each rank's value (the exchange is :func:`pympar.mesh.check_same`,
+   variable and each rank's value (the exchange is :func:`pympar.settings.check_same`,
    which every ``Mesh`` and ``Mesh.group`` also makes);
 3. when the job has more than one rank, makes the end of the program (a return
    from the script, or ``sys.exit`` with any status) agree across the ranks
@@ -37,14 +37,14 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import debug, mesh
-from .mesh import check_same
+from . import debug, settings
+from .settings import check_same
 
 __all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
 
 #: Environment variables whose settings must be the same on every rank (compared by
-#: :func:`pympar.mesh.check_same`, where the tuple lives).
-MUST_AGREE = mesh.MUST_AGREE
+#: :func:`pympar.settings.check_same`, where the tuple lives).
+MUST_AGREE = settings.MUST_AGREE
 #: Seconds a rank waits at the end of the program, without a timeout, before it
 #: says that it is waiting for the others.
 EXIT_NOTE_AFTER = 30.0
@@ -160,8 +160,8 @@ def start(comm: MPI.Comm) -> None:
         When ``PYMPAR_TIMEOUT`` is set on this rank and other ranks of ``comm``
         do not call this within it. ``comm`` then has a pending operation.
     ValueError
-        On every rank, when ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT`` or
-        ``PYMPAR_CHECK_BYTES`` differ between ranks; the message names the
+        On every rank, when ``PYMPAR_DEBUG`` or ``PYMPAR_TIMEOUT``
+        differ between ranks; the message names the
         variable and each rank's value.
     pympar.debug.CollectiveMismatchError
         On every rank, when other ranks make another agreed call meanwhile (a

@@ -7,12 +7,12 @@ The array collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``,
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from mpi4py import MPI
 
-from . import _board
 from . import collectives as _collectives
+from ._comm_state import CommState
 
 __all__ = ["Group"]
 
@@ -68,147 +68,17 @@ class Group:
             raise ValueError(f"group {name}: communicator has {self.size} ranks "
                              f"but {len(self.ranks)} global ranks were given")
         self._owns_comm = owns_comm
-        # Per-group caches of the collectives: MPI counts and displacements per
-        # (operation, shape, dtype, axis, sizes), and scratch arrays per
-        # (slot, shape, dtype), so that the hot path computes and allocates
-        # nothing after the first call.
-        self._plans: dict[tuple, Any] = {}
-        self._buffers: dict[tuple, Any] = {}
-        # The agreement check's board: shared memory when every member shares a node,
-        # else messages (collective: every rank creates its groups in the same order);
-        # None for a group of one rank.
-        self._board = _board.create(comm)
+        # The collectives' plans, scratch buffers and agreement board (collective).
+        self._state = CommState(comm)
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank}, size={self.size})"
 
-    def all_reduce(self, x: Any, op: str = "sum", out: Any = None) -> Any:
-        """Reduce ``x`` element-wise over the group; every rank gets the result.
-
-        Parameters
-        ----------
-        x : numpy.ndarray or cupy.ndarray
-            Same shape and dtype on every rank; any memory layout.
-        op : {"sum", "max", "min"}
-            The reduction. float16 and bfloat16 sum in float32, rounded once at the end;
-            bool reduces as NumPy's ufuncs do (or for sum and max, and for min).
-        out : array, optional
-            Where to write the result (same module, shape and dtype as ``x``). It may be
-            ``x`` itself (in place); otherwise it must not overlap ``x``.
-
-        Returns
-        -------
-        array
-            ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-
-        Raises
-        ------
-        ValueError, TypeError
-            For an unknown ``op``, max/min of complex, a dtype MPI cannot reduce, or a
-            wrong ``out``.
-        pympar.debug.CollectiveMismatchError
-            On every rank, when ranks pass different shapes, dtypes or ops (checked by
-            default; see :data:`pympar.collectives.CHECK_BYTES`).
-        """
-        return _collectives.all_reduce(self, x, op, out)
-
-    def all_gather(self, x: Any, axis: int = 0, out: Any = None,
-                   sizes: Sequence[int] | None = None) -> Any:
-        """Concatenate every rank's ``x`` along ``axis``, in group-rank order, on every rank.
-
-        The result equals ``numpy.concatenate([x_0, ..., x_{p-1}], axis)``.
-
-        Parameters
-        ----------
-        x : numpy.ndarray or cupy.ndarray
-            This rank's block; every dimension but ``axis`` agrees across ranks.
-        axis : int, default 0
-            The axis to concatenate along.
-        out : array, optional
-            Where to write the result; must not overlap ``x``.
-        sizes : sequence of int, optional
-            Every rank's extent along ``axis``, indexed by rank in this group, when the
-            caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it every
-            rank's extent travels with the call's agreement check (no extra message).
-
-        Returns
-        -------
-        array
-            ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-        """
-        return _collectives.all_gather(self, x, axis, out, sizes)
-
-    def reduce_scatter(self, x: Any, axis: int = 0, out: Any = None, op: str = "sum") -> Any:
-        """Reduce ``x`` over the group and give each rank its block along ``axis``.
-
-        ``axis`` is split with the balanced rule of ``numpy.array_split``: the rank of
-        group rank ``r`` receives block ``r`` of the element-wise reduction.
-
-        Parameters
-        ----------
-        x : numpy.ndarray or cupy.ndarray
-            Same shape and dtype on every rank; any memory layout.
-        axis : int, default 0
-            The axis to split.
-        out : array, optional
-            Where to write this rank's block; must not overlap ``x``.
-        op : {"sum", "max", "min"}
-            The reduction, as in :meth:`all_reduce`.
-
-        Returns
-        -------
-        array
-            ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-        """
-        return _collectives.reduce_scatter(self, x, axis, out, op)
-
-    def all_to_all(self, x: Any, split_axis: int, concat_axis: int, out: Any = None,
-                   sizes: Sequence[int] | None = None) -> Any:
-        """Split ``x`` along ``split_axis``, send block ``q`` to rank ``q``, concatenate the rest.
-
-        Group rank ``r`` receives block ``r`` (balanced rule) of every rank's ``x`` and
-        concatenates them in rank order along ``concat_axis``: the result equals
-        ``numpy.concatenate([array_split(x_q, p, split_axis)[r] for q in range(p)],
-        concat_axis)``.
-
-        Parameters
-        ----------
-        x : numpy.ndarray or cupy.ndarray
-            Every dimension but ``concat_axis`` agrees across ranks.
-        split_axis, concat_axis : int
-            Different axes.
-        out : array, optional
-            Where to write the result; must not overlap ``x``.
-        sizes : sequence of int, optional
-            Every rank's extent along ``concat_axis``, indexed by group rank; otherwise
-            they travel with the call's agreement check.
-
-        Returns
-        -------
-        array
-            ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-        """
-        return _collectives.all_to_all(self, x, split_axis, concat_axis, out, sizes)
-
-    def broadcast(self, x: Any, root: int = 0, out: Any = None) -> Any:
-        """Return the root's ``x`` on every rank.
-
-        Parameters
-        ----------
-        x : numpy.ndarray or cupy.ndarray
-            On the root, the data; on the other ranks an array of the same shape and
-            dtype whose values are ignored.
-        root : int, default 0
-            The sending rank, as a rank in this group (not a global rank).
-        out : array, optional
-            Where to write the result; may be ``x`` (in place).
-
-        Returns
-        -------
-        array
-            ``out``, or a new C-contiguous array of ``x``'s module and dtype.
-        """
-        return _collectives.broadcast(self, x, root, out)
+    all_reduce = _collectives.all_reduce
+    all_gather = _collectives.all_gather
+    reduce_scatter = _collectives.reduce_scatter
+    all_to_all = _collectives.all_to_all
+    broadcast = _collectives.broadcast
 
     def release_buffers(self) -> None:
         """Drop the cached scratch arrays and MPI count plans of the collectives.
@@ -217,8 +87,7 @@ class Group:
         large temporaries (at most 16 arrays, 2 GiB, per group) after a phase
         with big messages.
         """
-        self._plans.clear()
-        self._buffers.clear()
+        self._state.release()
 
     def barrier(self) -> None:
         """Block until every member has reached the barrier.
@@ -240,10 +109,7 @@ class Group:
 
     def free(self) -> None:
         """Free the communicator (collective) and unmap the check's board; idempotent."""
-        if self._board is not None:
-            self._board.free()
-            self._board = None
+        self._state.free()
         if self._owns_comm and not self.freed:
             self.comm.Free()
         self.comm = MPI.COMM_NULL
-        self.release_buffers()

@@ -25,31 +25,22 @@ Every call first makes one agreement check per split axis's group
 (:func:`pympar.collectives.agree`: global shape, widths, leading shape, dtype, direction),
 so ranks that call differently, or a rank whose array does not fit, raise
 :class:`~pympar.debug.CollectiveMismatchError` on every rank instead of exchanging faces of
-another size. As for the collectives, a raised ``PYMPAR_CHECK_BYTES``
-(:data:`pympar.collectives.CHECK_BYTES`) leaves out fields of fewer bytes (all leading axes
-counted), unless debug mode or a timeout is on.
+another size.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, collectives, debug, stats
+from . import backend, stats
 from ._halo_plan import DOWN, UP, Axis, Plan, widths
 from .decomposition import Decomposition, agree_all
 
 __all__ = ["HaloExchange"]
-
-def _every_call_checked() -> bool:
-    """Whether every call is checked whatever its size (``PYMPAR_CHECK_BYTES`` at its
-    default, or debug mode or a timeout on), as for the collectives."""
-    return collectives.CHECK_BYTES == 0 or debug.is_enabled() or debug.get_timeout() is not None
-
 
 def _account(ax: Axis, operation: str, start: float) -> None:
     """Record one axis's messages with the statistics recorders (a local copy sends none)."""
@@ -245,8 +236,7 @@ class HaloExchange:
         if plan is None or not padded.flags.c_contiguous or block is not None:
             error = self._refusal(padded, direction, block)
             if error is not None:
-                agree_all(self._groups, (), f"HaloExchange.{direction}", error,
-                          _every_call_checked())
+                agree_all(self._groups, (), f"HaloExchange.{direction}", error)
         if plan is None:
             d = self.decomposition
             key = key or (padded.shape, padded.dtype, type(padded), direction)
@@ -256,11 +246,7 @@ class HaloExchange:
             plan.shown = (f"HaloExchange.{direction}(global_shape={d.global_shape}, "
                           f"widths={self.widths}, leading={plan.lead_shape}, "
                           f"dtype={padded.dtype})")
-            # As the collectives: fields of fewer bytes than PYMPAR_CHECK_BYTES go unchecked.
-            plan.large = (math.prod(plan.lead_shape) * math.prod(d.global_shape)
-                          * padded.dtype.itemsize >= collectives.CHECK_BYTES)
-        if plan.large or _every_call_checked():
-            agree_all(self._groups, plan.key, plan.shown)
+        agree_all(self._groups, plan.key, plan.shown)
         return plan
 
     def _refusal(self, padded: Any, direction: str, block: Any) -> Exception | None:

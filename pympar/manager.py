@@ -115,7 +115,7 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     """Create the DP, CP and TP groups and make them the current parallel state.
 
     Collective over ``comm``: every rank must call it with the same arguments (and
-    the same settings: ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT``, ``PYMPAR_CHECK_BYTES``).
+    the same settings: ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT``).
     The data-parallel size is ``world_size // (tensor_parallel_size *
     context_parallel_size)``; pass ``data_parallel_size`` to have it checked, so a script
     written for ``tp * cp * dp`` ranks refuses another rank count instead of silently

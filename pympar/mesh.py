@@ -7,149 +7,24 @@ of any world size can be inspected on a laptop; :meth:`Mesh.group` turns one
 slice into a communicator with a single collective ``Comm.Split``.
 
 Creating a mesh and each group is collective over the parent communicator, and
-first agrees (:func:`check_same`): one small timed exchange compares what every
-rank passed, and the settings that must be alike on every rank
-(:data:`MUST_AGREE`), so ranks that lay out or cut differently get an error on
-every rank instead of groups whose names lie.
+first agrees (:func:`pympar.settings.check_same`): one small timed exchange compares
+what every rank passed, and the settings that must be alike on every rank, so ranks
+that lay out or cut differently get an error on every rank instead of groups whose
+names lie.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
-import zlib
 from typing import Mapping
 
 import numpy as np
 from mpi4py import MPI
 
-from . import collectives, debug
 from .group import Group
+from .settings import check_same
 
-__all__ = ["Mesh", "parse_order", "group_ranks", "check_sizes", "MUST_AGREE", "settings",
-           "check_settings", "check_same"]
-
-#: Environment variables whose settings must be the same on every rank.
-MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT", "PYMPAR_CHECK_BYTES")
-
-
-# --------------------------------------------------------------------------- agreement
-
-def settings() -> dict[str, list[str]]:
-    """Return this rank's settings that must agree, by variable name.
-
-    Returns
-    -------
-    dict of str to [str, str]
-        Per variable of :data:`MUST_AGREE`: what is in effect (compared) and how it
-        reads in the environment (shown in errors).
-    """
-    timeout = debug.get_timeout()
-    effective = {"PYMPAR_DEBUG": "on" if debug.is_enabled() else "off",
-                 "PYMPAR_TIMEOUT": "off" if timeout is None else f"{timeout!r} s",
-                 "PYMPAR_CHECK_BYTES": f"{collectives.CHECK_BYTES} bytes"}
-    # The raw text is cut short: it is shown in one line of an error.
-    return {name: [value, f"{value} ({name}={os.environ.get(name, '<unset>')[:40]})"]
-            for name, value in effective.items()}
-
-
-def _wait(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
-    """Wait for ``request``, at most this rank's timeout (then CollectiveTimeoutError)."""
-    timeout = debug.get_timeout()
-    if timeout is None:
-        request.Wait()
-        return
-    deadline, pause = time.monotonic() + timeout, 1e-5
-    while not request.Test():
-        if time.monotonic() >= deadline:
-            error = debug.CollectiveTimeoutError(
-                f"{what} did not complete within {timeout:g} s on rank {comm.Get_rank()} of "
-                f"{comm.Get_size()}: other ranks of the communicator have not called it (the "
-                "ranks that did not call it cannot know and wait in their own next "
-                "collective); the communicator is no longer usable")
-            error.request = request
-            raise error
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
-
-
-def check_settings(seen: list[dict[str, list[str]]]) -> None:
-    """Raise ValueError when the ranks' :func:`settings` differ (the same error on every rank).
-
-    Parameters
-    ----------
-    seen : list of dict
-        Every rank's :func:`settings`, by rank.
-
-    Raises
-    ------
-    ValueError
-        Naming the first variable that differs and each rank's value.
-    """
-    for name in MUST_AGREE:
-        if len({row[name][0] for row in seen}) == 1:
-            continue
-        shown: dict[str, list[int]] = {}
-        for rank, row in enumerate(seen):
-            shown.setdefault(row[name][1], []).append(rank)
-        listing = "; ".join(f"{value} on ranks {ranks}" for value, ranks in shown.items())
-        raise ValueError(f"{name} must be set alike on every rank, but the ranks differ: "
-                         f"{listing}")
-
-
-def check_same(comm: MPI.Comm, what: str, arguments: str) -> None:
-    """Check that every rank of ``comm`` calls ``what`` with the same ``arguments`` and settings.
-
-    Collective over ``comm``: one timed non-blocking Allgather of a 32-bit checksum of
-    ``what``, ``arguments`` and this rank's :func:`settings` (non-blocking always, so
-    ranks whose timeouts differ still match). Every agreed call of pympar uses this one
-    exchange, so ranks that make different such calls (``initialize_parallel`` on one,
-    ``Mesh`` on another) match each other and are told so. Only when the checksums
-    differ does a second exchange gather the texts, to name what each rank passed.
-
-    Parameters
-    ----------
-    comm : mpi4py.MPI.Intracomm
-        The communicator every rank calls over.
-    what : str
-        The call, named in errors (e.g. ``"Mesh.group"``).
-    arguments : str
-        This rank's arguments, as text that is equal exactly when they mean the same.
-
-    Raises
-    ------
-    ValueError
-        On every rank, when a setting of :data:`MUST_AGREE` differs between ranks; it
-        names the variable and each rank's value.
-    pympar.debug.CollectiveMismatchError
-        On every rank, when the calls or arguments differ; the message lists each
-        distinct call and the ranks that made it.
-    pympar.debug.CollectiveTimeoutError
-        When ``PYMPAR_TIMEOUT`` is set here and other ranks do not call it in time
-        (``comm`` then has a pending operation; the error's ``request``).
-    """
-    if comm.Get_size() == 1:
-        return
-    call = f"{what}({arguments})"
-    mine = settings()
-    effective = {name: value for name, (value, _) in mine.items()}
-    send = np.array([zlib.crc32(json.dumps([call, effective]).encode())], np.uint32)
-    sums = np.empty(comm.Get_size(), np.uint32)
-    _wait(comm, comm.Iallgather(send, sums), what)
-    if (sums == sums[0]).all():
-        return
-    # Every rank saw the same checksums, so every rank takes this (rare) path.
-    seen: list[tuple[str, dict[str, list[str]]]] = comm.allgather((call, mine))
-    check_settings([row for _, row in seen])
-    made: dict[str, list[int]] = {}
-    for rank, (text, _) in enumerate(seen):
-        made.setdefault(text, []).append(rank)
-    listing = "; ".join(f"{text} on ranks {ranks}" for text, ranks in made.items())
-    raise debug.CollectiveMismatchError(
-        f"{what} is collective over its communicator: every rank must make the same call "
-        f"with the same arguments, but the ranks differ: {listing}")
+__all__ = ["Mesh", "parse_order", "group_ranks", "check_sizes"]
 
 
 # --------------------------------------------------------------------------- rank arithmetic
@@ -275,9 +150,9 @@ class Mesh:
     ------
     ValueError
         On every rank, for sizes < 1, a bad order string, sizes whose product is
-        not the communicator's size, or settings of :data:`MUST_AGREE` that
+        not the communicator's size, or settings of :data:`pympar.settings.MUST_AGREE` that
         differ between ranks.
-    pympar.debug.CollectiveMismatchError
+    pympar.errors.CollectiveMismatchError
         On every rank, when ranks pass different sizes or orders.
 
     Notes
@@ -350,12 +225,12 @@ class Mesh:
 
         Raises
         ------
-        pympar.debug.CollectiveMismatchError
+        pympar.errors.CollectiveMismatchError
             On every rank, when ranks ask for different axes or keys (or create
             their groups in different orders).
         ValueError
             On every rank, for an unknown or repeated axis, or settings of
-            :data:`MUST_AGREE` that differ between ranks.
+            :data:`pympar.settings.MUST_AGREE` that differ between ranks.
         """
         check_same(self.comm, "Mesh.group", ", ".join([*map(repr, axes), f"key={key!r}"]))
         table = self.group_ranks(*axes)

@@ -409,13 +409,3 @@ def _pack(flat: Any, params: list[Parameter]) -> None:
         else:
             flat[offset: offset + p.size] = p.grad.reshape(-1)
         offset += p.size
-
-
-def __getattr__(name: str) -> Any:
-    # pympar.zero builds on this module's optimizers, so its optimizer is re-exported lazily
-    # (PEP 562): a top-level import here would be circular.
-    if name == "ZeroRedundancyOptimizer":
-        from .zero import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer
-    raise AttributeError(f"module 'pympar.optim' has no attribute {name!r}")

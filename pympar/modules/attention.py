@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy
 
-from .. import collectives
 from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
@@ -180,10 +179,8 @@ class ParallelAttention(Module):
         self.proj = RowParallelLinear(hidden, hidden, bias, input_is_parallel=True,
                                       use_sequence_parallel=use_sequence_parallel, dtype=dtype,
                                       group=group, seed=seed + 1, xp=xp)
-        # The projections' collectives look alike whatever the heads and mask: name them.
-        owner = f"ParallelAttention(heads={self.num_heads}, causal={self.causal})"
-        self.qkv._inside(owner)
-        self.proj._inside(owner)
+        # The projections' collectives look alike whatever the heads and mask: agreed here.
+        self.label_calls(f"ParallelAttention(heads={self.num_heads}, causal={self.causal})")
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, num_heads={self.num_heads}, local_heads={self.local_heads}"
@@ -194,59 +191,36 @@ class ParallelAttention(Module):
         ``key_lengths`` (``[B]`` integers, optional): keys at positions ``>= key_lengths[b]``
         are padding.
         """
-        try:
+        group, sp = self.qkv.group, self.qkv.use_sequence_parallel
+        lens = None if key_lengths is None else numpy.asarray(
+            key_lengths.get() if hasattr(key_lengths, "get") else key_lengths)
+        # The key lengths are local work that no collective sees: agreed with the input.
+        extra = () if lens is None else (f"key_lengths {lens.dtype.str} {lens.shape} of "
+                                         f"checksum {zlib.crc32(lens.tobytes()):08x}",)
+        with self.agreement("forward", x, group, (0,) if sp else (), extra=extra):
             qkv = self.qkv.forward(x)
-        except (TypeError, ValueError) as error:
-            # The others go on to the output projection's sum (or the lengths' check).
-            collectives.refuse(self.qkv.group, "ParallelAttention.forward", error,
-                               always_checked=key_lengths is not None)
-            raise
-        seq, batch = qkv.shape[0], qkv.shape[1]
-        lens = self._key_lengths(key_lengths, batch, seq)
-        pos = numpy.arange(seq)
-        mask = key_mask(array_module(x), pos, pos, self.causal, lens)
-        qkv = qkv.reshape(seq, batch, 3, self.local_heads, self.head_dim)
-        out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask)
-        self.save_for_backward(cache)
-        return self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
-
-    def _key_lengths(self, key_lengths: Any, batch: int, seq: int) -> Any:
-        """Checked padding lengths, the same on every rank of the group.
-
-        The mask is local work that no collective sees, so lengths that differ between
-        ranks would mix heads masked two ways: one agreement check on their checksum
-        makes every rank raise instead. A rank refusing its lengths makes the others
-        raise too (they go on to that check, or to the output projection's sum).
-        """
-        group = self.qkv.group
-        try:
-            lens = check_key_lengths(type(self).__name__, key_lengths, batch, seq)
-        except ValueError as error:
-            collectives.refuse(group, "ParallelAttention.forward", error,
-                               always_checked=key_lengths is not None)
-            raise
-        if lens is not None:
-            crc = zlib.crc32(lens.tobytes())
-            collectives.agree(group, ("ParallelAttention.key_lengths", batch, crc),
-                              f"ParallelAttention.forward(key_lengths of checksum {crc:08x})")
-        return lens
+            seq, batch = qkv.shape[0], qkv.shape[1]
+            lens = check_key_lengths(type(self).__name__, lens, batch, seq)
+            pos = numpy.arange(seq)
+            mask = key_mask(array_module(x), pos, pos, self.causal, lens)
+            qkv = qkv.reshape(seq, batch, 3, self.local_heads, self.head_dim)
+            out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask)
+            self.save_for_backward(cache)
+            return self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
 
     def backward(self, dy: Any) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
-        (cache,) = self.saved_tensors()
-        try:
-            dout = self.proj.backward(dy)
-        except (TypeError, ValueError) as error:
-            # Without sequence parallelism the projection's backward communicates nothing:
-            # the others' next collective is the QKV input gradient's sum, if any.
-            if not self.proj.use_sequence_parallel and self.input_grad:
-                collectives.refuse(self.qkv.group, "ParallelAttention.backward", error)
-            raise
+        with self.agreement("backward", dy, self.qkv.group,
+                            (0,) if self.qkv.use_sequence_parallel else ()):
+            (cache,) = self.saved_tensors()
+            return self._backward(self.proj.backward(dy), cache)
+
+    def _backward(self, dout: Any, cache: tuple) -> Any:
         if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):
             return None  # nothing below the output projection needs a gradient
         seq, batch = dout.shape[0], dout.shape[1]
         dout = dout.reshape(seq, batch, self.local_heads, self.head_dim)
-        dqkv = array_module(dy).stack(attention_backward(dout, cache), axis=2)
+        dqkv = array_module(dout).stack(attention_backward(dout, cache), axis=2)
         # set here, not in __init__: Sequential may switch input_grad off after construction
         self.qkv.input_grad = self.input_grad
         dx = self.qkv.backward(dqkv.reshape(seq, batch, 3 * self.local_heads * self.head_dim))

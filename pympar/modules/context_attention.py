@@ -17,21 +17,24 @@ sequence_segments` gives it (``layout="contiguous"``: block ``c`` of the balance
 Masks: ``causal`` (constructor) and ``key_lengths`` (per call, padding); positions are global,
 so the three schemes give the same result for the same input.
 
-Forward and backward run inside a :func:`pympar.mappings.label` naming the layer's settings,
-which the agreement checks of its all-to-alls and of the ring
-(:func:`pympar.collectives.agree`) compare: ranks that built different layers raise
-:class:`~pympar.debug.CollectiveMismatchError`.
+Forward and backward start with one agreement over the context group
+(:meth:`~pympar.modules.Module.agreement`) on the layer's settings, the input's dtype and
+extents, the key lengths and every rank's block length, so ranks that built different
+layers or pass inputs only some refuse raise :class:`~pympar.errors.CollectiveMismatchError`
+on every rank.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import zlib
+
 import numpy
 from mpi4py import MPI
 
 from .. import mappings
-from ..backend import array_module, is_cupy_array
+from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
 from ..partition import balanced_sizes
@@ -39,6 +42,7 @@ from .blockwise import check_key_lengths, sequence_segments
 from .core import Module
 from .linear import Linear
 from .ring_attention import ring_attention_backward, ring_attention_forward
+from .validation import check_array
 
 __all__ = ["ContextAttention", "split_context_group"]
 
@@ -136,7 +140,7 @@ class ContextAttention(Module):
                 f"scheme={scheme}, ulysses={1 if self.ulysses is None else self.ulysses.size}, "
                 f"causal={self.causal}, layout={layout}, bias={bias}, "
                 f"dtype={numpy.dtype(dtype).name})")
-        self._forward_label, self._backward_label = name + ".forward", name + ".backward"
+        self.label_calls(name)
 
     def _groups(self, ulysses_size: int | None, groups: Any) -> tuple[Group | None, Group | None]:
         if self.scheme == "ulysses":
@@ -162,46 +166,23 @@ class ContextAttention(Module):
         return (f"hidden={self.hidden}, num_heads={self.num_heads}, scheme={self.scheme}, "
                 f"causal={self.causal}, layout={self.layout}, group={self.group.name}")
 
-    def _ring_segments(self, x: Any, key_lengths: Any) -> tuple[int, list, Any]:
-        """The sequence length, every ring rank's global row ranges (after any Ulysses
-        all-to-all) and the checked key lengths.
-
-        One small allgather over the context group carries each rank's block length, whether
-        its input fits the layer, and its key lengths, so that input refused on one rank is
-        refused on every rank (the others would otherwise wait in the ring or all-to-all).
-        """
+    def _segments(self, x: Any, sizes: tuple[int, ...], lens: Any) -> tuple[list, Any]:
+        """Every ring rank's global row ranges (after any Ulysses all-to-all) and the checked
+        key lengths, from every context rank's block length ``sizes`` (agreed: every rank
+        raises alike)."""
         name, p = type(self).__name__, self.group.size
-        dtype = self.qkv.dtype
-        array = isinstance(x, numpy.ndarray) or is_cupy_array(x)
-        # The dtype too: the projection would refuse it on this rank alone.
-        fits = array and x.ndim == 3 and x.shape[2] == self.hidden and x.dtype == dtype
-        lens = None if key_lengths is None else numpy.asarray(
-            key_lengths.get() if hasattr(key_lengths, "get") else key_lengths)
-        mine = (x.shape[0] if array and x.ndim else 0, fits, None if lens is None else
-                (lens.dtype.str, lens.shape, lens.tolist()))
-        everyone = self.group.comm.allgather(mine)  # a few bytes: block lengths, key lengths
-        if not all(fit for _, fit, _ in everyone):
-            bad = [c for c, (_, fit, _) in enumerate(everyone) if not fit]
-            shown = (f"shape {tuple(x.shape)} {x.dtype}" if array else type(x).__name__)
-            raise ValueError(f"{name}: the input of context ranks {bad} is not [n, B, "
-                             f"{self.hidden}] {dtype} (this rank's: {shown})")
-        sizes = tuple(n for n, _, _ in everyone)
         seq_len = sum(sizes)
         if sizes != balanced_sizes(seq_len, p):
             raise ValueError(f"{name}: block lengths {list(sizes)} over the context "
                              f"group are not the balanced split of {seq_len} rows "
                              f"{list(balanced_sizes(seq_len, p))}")
-        if any(k != everyone[0][2] for _, _, k in everyone):
-            raise ValueError(f"{name}: the ranks of the context group pass different "
-                             f"key_lengths: {[k and k[2] for _, _, k in everyone]}")
-        # every rank checks the same key lengths, so a refusal is everyone's
         lens = check_key_lengths(name, lens, x.shape[1], seq_len)
         u = 1 if self.ulysses is None else self.ulysses.size
         ctx = [sequence_segments(seq_len, p, c, self.layout) for c in range(p)]
         # Adjoining segments are kept apart: query tiles then start at chunk boundaries, so
         # under zig-zag every ring rank computes the same number of scores.
-        return seq_len, [[s for c in range(j * u, (j + 1) * u) for s in ctx[c] if s[1] > s[0]]
-                         for j in range(p // u)], lens
+        return [[s for c in range(j * u, (j + 1) * u) for s in ctx[c] if s[1] > s[0]]
+                for j in range(p // u)], lens
 
     def forward(self, x: Any, key_lengths: Any = None) -> Any:
         """Attend over the whole sequence.
@@ -218,11 +199,17 @@ class ContextAttention(Module):
         array
             ``[n, B, hidden]``, the same rows.
         """
-        with mappings.label(self._forward_label):
-            return self._forward(x, key_lengths)
+        lens = None if key_lengths is None else numpy.asarray(
+            key_lengths.get() if hasattr(key_lengths, "get") else key_lengths)
+        # The key lengths are local work that no collective sees: agreed with the input.
+        extra = () if lens is None else (f"key_lengths {lens.dtype.str} {lens.shape} of "
+                                         f"checksum {zlib.crc32(lens.tobytes()):08x}",)
+        with self.agreement("forward", x, self.group, (0,), 0, extra,
+                            (self._check, x, "input")) as sizes:
+            segments, lens = self._segments(x, sizes, lens)
+            return self._forward(x, segments, lens)
 
-    def _forward(self, x: Any, key_lengths: Any) -> Any:
-        _, segments, lens = self._ring_segments(x, key_lengths)
+    def _forward(self, x: Any, segments: list, lens: Any) -> Any:
         n, batch = x.shape[0], x.shape[1]
         xp = array_module(x)
         qkv = self.qkv.forward(x).reshape(n, batch, 3, self.num_heads, self.head_dim)
@@ -244,11 +231,19 @@ class ContextAttention(Module):
 
     def backward(self, dy: Any) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
-        with mappings.label(self._backward_label):
-            return self._backward(dy)
+        saved = self.saved_tensors()
+        with self.agreement("backward", dy, self.group, (0,),
+                            validate=(self._check, dy, "output gradient")):
+            return self._backward(dy, *saved)
 
-    def _backward(self, dy: Any) -> Any:
-        qkvh, out_h, lse, segments, lens = self.saved_tensors()
+    def _check(self, x: Any, what: str) -> None:
+        check_array(self, x, self.hidden, self.qkv.dtype, what=what, min_ndim=3)
+        if x.ndim != 3:
+            raise ValueError(f"{type(self).__name__}: expected {what} [n, B, {self.hidden}], "
+                             f"got shape {tuple(x.shape)}")
+
+    def _backward(self, dy: Any, qkvh: Any, out_h: Any, lse: Any, segments: list,
+                  lens: Any) -> Any:
         n, batch = dy.shape[0], dy.shape[1]
         dout = self.proj.backward(dy).reshape(n, batch, self.num_heads, self.head_dim)
         if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):

@@ -1,8 +1,13 @@
-"""The ``Module`` base class, ``Sequential`` and the one input check of the layers.
+"""The ``Module`` base class and ``Sequential``.
 
 Every layer in pympar has a hand-written backward: ``forward`` caches exactly what ``backward``
 needs, and ``backward(dy)`` returns the input gradient and accumulates (``+=``) parameter
 gradients. There is no autograd tape.
+
+A parallel layer names itself once (:meth:`Module.label_calls`) and starts its forward and
+backward with one agreement (:meth:`Module.agreement`): the ranks of its group compare the
+layer's label and the input's dtype and every extent that is not split over them, so that a
+layer built differently, or an input refused, on one rank raises on every rank.
 """
 
 from __future__ import annotations
@@ -10,59 +15,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
+import zlib
+
 import numpy
 
-from .. import backend
+from .. import _agreement, backend, debug
+from .._agreement import Label
 from .parameter import Parameter
 
-__all__ = ["Module", "Sequential", "check_array"]
+__all__ = ["Module", "Sequential"]
 
-
-def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, *, what: str = "input",
-                shape: tuple[int, ...] | None = None, min_ndim: int = 1) -> None:
-    """Raise naming ``layer`` unless ``x`` is an array of ``dtype`` with the expected shape.
-
-    The one input/shape check of the layers. No silent casts: a cast would copy every
-    activation.
-
-    Parameters
-    ----------
-    layer : object
-        The layer, shown by its ``repr`` in the message.
-    x : array
-        The array to check.
-    last_dim : int or None
-        Required size of the last axis (``None``: any).
-    dtype : dtype
-        Required dtype.
-    what : str, default "input"
-        What ``x`` is, for the message (e.g. ``"output gradient"``).
-    shape : tuple of int, optional
-        The exact shape required (then ``last_dim`` is not used).
-    min_ndim : int, default 1
-        Fewest axes accepted.
-
-    Raises
-    ------
-    TypeError
-        When ``x`` is not an array.
-    ValueError
-        On a wrong shape or dtype.
-    """
-    if not isinstance(x, numpy.ndarray) and not backend.is_cupy_array(x):
-        # Array-likes (lists, torch tensors, objects with __array__) are refused, not
-        # converted: a conversion would copy every activation.
-        raise TypeError(f"{layer!r}: expected a numpy.ndarray or cupy.ndarray as {what}, got "
-                        f"{type(x).__name__} (convert it with numpy.asarray)")
-    if shape is not None:
-        ok, want = tuple(x.shape) == tuple(shape), str(tuple(shape))
-    else:
-        ok = x.ndim >= min_ndim and (last_dim is None or x.shape[-1] == last_dim)
-        want = "(" + ", ".join(["rows"] * (min_ndim - 1) + ["...", str(last_dim)]) + ")"
-    if not ok or x.dtype != dtype:
-        raise ValueError(f"{layer!r}: expected {what} of shape {want} and dtype "
-                         f"{numpy.dtype(dtype).name}, got shape {tuple(x.shape)} and dtype "
-                         f"{x.dtype}")
+# (label, dtype, masked shape, extra) -> the agreement's signature; bounded.
+_SIGNATURES: dict[tuple, int] = {}
+_MAX_SIGNATURES = 4096
 
 
 class Module:
@@ -122,6 +87,97 @@ class Module:
         params.pop(name, None)
         mods.pop(name, None)
         object.__delattr__(self, name)
+
+    # -- labels and the agreement -------------------------------------------------------
+    def label_calls(self, name: str) -> None:
+        """Name this layer's forward and backward: ``name + ".forward"`` and ``".backward"``.
+
+        ``name`` holds what every rank of the group must share (class, global sizes,
+        flags, dtype); :meth:`agreement` compares it, statistics record the collectives
+        inside under it (``"Linear3D(8->16, ...).forward:all_gather"``), and errors name it.
+        """
+        object.__setattr__(self, "_labels", {d: Label(f"{name}.{d}")
+                                             for d in ("forward", "backward")})
+
+    def agreement(self, direction: str, x: Any, group: Any, split: tuple[int, ...] = (),
+                  sizes_of: int | None = None, extra: tuple = (),
+                  validate: tuple | None = None) -> Label:
+        """Agree once with the ranks of ``group``; return the label block to run in.
+
+        Start ``forward`` and ``backward`` with ``with self.agreement("forward", x, g):``.
+        The ranks compare the layer's label (inside any enclosing one), whether ``x`` is an
+        array, its dtype, its number of dimensions and its extents except those along the
+        ``split`` axes, ``extra``, and the outcome of ``validate``: every rank raises
+        :class:`~pympar.errors.CollectiveMismatchError` when they differ (naming what a
+        rank refused), and each rank its own error when every rank refused alike.
+
+        Parameters
+        ----------
+        direction : {"forward", "backward"}
+            Which label (see :meth:`label_calls`).
+        x : array or any
+            The input (or output gradient).
+        group : Group
+            The ranks that run the layer together.
+        split : tuple of int
+            Axes whose extent may differ between ranks (blocks of a split axis).
+        sizes_of : int, optional
+            An axis of ``split`` whose every rank's extent the ranks learn in the same
+            agreement (one small exchange more): entering the block gives them.
+        extra : tuple
+            More that must be equal (e.g. a checksum of key lengths).
+        validate : tuple, optional
+            ``(function, *arguments)``: the layer's own check of ``x`` (raising TypeError
+            or ValueError), run first.
+
+        Returns
+        -------
+        Label
+            The block; ``with ... as sizes`` gives the extents of ``sizes_of`` (else None).
+        """
+        block = self._labels[direction]
+        array = type(x) is numpy.ndarray or backend.is_cupy_array(x)
+        learn = sizes_of is not None and array and -x.ndim <= sizes_of < x.ndim
+        refused = None
+        if validate is not None:
+            try:
+                validate[0](*validate[1:])
+            except (TypeError, ValueError) as error:
+                refused = error
+        if group.size == 1:
+            if refused is not None:
+                raise refused
+            return Label(block.name, (x.shape[sizes_of],)) if learn else block
+        board = group._state.board
+        if board is None:
+            raise RuntimeError(f"{block.name}: group {group.name!r} has been freed (Group.free "
+                               f"or manager.destroy_parallel); use the groups of the current "
+                               f"state")
+        name = block.name if _agreement._label is None else _agreement.within(block.name)
+        if array:
+            shape = x.shape
+            for axis in split:
+                if -x.ndim <= axis < x.ndim:
+                    axis %= x.ndim
+                    shape = shape[:axis] + (-1,) + shape[axis + 1:]
+            key = (name, x.dtype.str, shape, extra)
+        else:
+            key = (name, f"not an array: {type(x).__name__}", None, extra)
+        if refused is not None:  # the fact, not the text: messages name rank-local groups
+            key += (f"refused by this rank ({type(refused).__name__})",)
+        sig = _SIGNATURES.get(key)
+        if sig is None:
+            if len(_SIGNATURES) >= _MAX_SIGNATURES:
+                _SIGNATURES.clear()
+            sig = _SIGNATURES[key] = zlib.crc32(repr(key).encode()) | 1
+        if not learn or refused is not None:
+            if not board.agree(sig, group, name, debug._timeout):
+                debug.report(group, _described(x, key, refused))
+            if refused is not None:  # every rank refused alike: each raises its own error
+                raise refused
+            return block
+        return Label(block.name, _agreement.extents(group, sig, _described(x, key, None), None,
+                                                    x.shape[sizes_of]))
 
     # -- forward / backward ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -313,6 +369,18 @@ class Module:
         for name, mod in kids:
             lines.append("  (" + name + "): " + repr(mod).replace("\n", "\n  "))
         return "\n".join(lines) + "\n)"
+
+
+def _described(x: Any, key: tuple, refused: Exception | None) -> str:
+    """A layer's call in words (``key`` is what its agreement compares), for the report."""
+    name, dtype, shape, extra = key[:4]
+    extra = "".join(f", {e}" for e in extra)
+    if refused is not None:
+        extra += f", refused by this rank: {refused}"
+    if shape is None:
+        return f"{name} with input {dtype}{extra}"
+    return (f"{name} with input of shape {tuple(x.shape)} (compared: {shape}, -1 split) and "
+            f"dtype {x.dtype}{extra}")
 
 
 def _copy_into(dst: Any, src: Any) -> None:

@@ -24,28 +24,28 @@ The layout is checked: the 3D layers tag the blocks they return with their layou
 block tagged with another layout raises ``ValueError`` naming ``swap=``, on every rank,
 instead of computing a wrong answer.
 
-Forward and backward run inside a :func:`pympar.mappings.label` naming the layer and its
-global sizes, bias and dtype (``eps`` for the norm), built in the constructor: the
-agreement check of their collectives compares it, so ranks that built different layers
-raise :class:`~pympar.debug.CollectiveMismatchError`. Statistics record the collectives
-under it (``"Linear3D(8->16, bias=True, dtype=float64).forward:all_gather"``).
+Forward and backward start with one agreement over the cube
+(:meth:`~pympar.modules.Module.agreement`) on the layer's label (global sizes, bias and
+dtype; ``eps`` for the norm) and its input block's dtype and unsplit extents, so ranks that
+built different layers, or that pass a block only some refuse, raise
+:class:`~pympar.errors.CollectiveMismatchError` on every rank. Statistics record the
+collectives under the label (``"Linear3D(8->16, bias=True, dtype=float64).forward:all_gather"``).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import numpy
 
-from .. import collectives, manager
+from .. import manager
 from ..backend import array_module
 from ..group import Group
 from ..initializer_3d import ParallelMode
-from ..mappings import label
 from ..partition import Placement, Split
-from .core import Module, _copy_into, check_array
+from .core import Module, _copy_into
+from .validation import check_array
 from .parameter import Parameter
 from .init_methods import InitMethod
 from .layout_tags import tag, tag_of
@@ -53,21 +53,6 @@ from .normalization import layer_norm_backward, layer_norm_forward, local_row_su
 from .sharded_init import init_bias, init_shard
 
 __all__ = ["Layout3D", "layout_3d", "Linear3D", "LayerNorm3D"]
-
-
-def _labelled(method: Callable) -> Callable:
-    """Run ``method`` inside the layer's label for it, ``self._labels[method name]``."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with label(self._labels[name]):
-            return method(self, *args, **kwargs)
-    return run
-
-
-def _labels(name: str) -> dict[str, str]:
-    return {"forward": name + ".forward", "backward": name + ".backward"}
 
 
 @dataclass(frozen=True)
@@ -78,11 +63,16 @@ class Layout3D:
     ----------
     input, weight, output : Group
         The layer's input group ``a``, weight group ``w`` and output group ``c``.
+    cube : Group or None
+        Every rank of the cube: the 3D layers agree over it before they communicate (the
+        current tensor-parallel group by default). Without it they agree over the
+        input group only, and a block refused on one rank reaches only that group.
     """
 
     input: Group
     weight: Group
     output: Group
+    cube: Union[Group, None] = None
 
     @property
     def depth(self) -> int:
@@ -96,7 +86,12 @@ class Layout3D:
 
     def swapped(self) -> "Layout3D":
         """The layout of the next layer: input and output groups exchanged."""
-        return Layout3D(self.output, self.weight, self.input)
+        return Layout3D(self.output, self.weight, self.input, self.cube)
+
+    @property
+    def agreeing(self) -> Group:
+        """The group the 3D layers agree over: the cube, else the input group."""
+        return self.input if self.cube is None else self.cube
 
     def input_placement(self, shape: tuple[int, ...]) -> Placement:
         """Where this rank's block of a full input ``(rows, ..., cols)`` sits.
@@ -165,7 +160,7 @@ def layout_3d(swap: bool = False, layer: str = "3D layer") -> Layout3D:
                                                     ParallelMode.PARALLEL_3D_OUTPUT)]
     except RuntimeError as err:
         raise RuntimeError(f"{layer} needs a 3D parallel state: {err}") from None
-    layout = Layout3D(*groups)
+    layout = Layout3D(*groups, manager.resolve_group(None, layer))
     return layout.swapped() if swap else layout
 
 
@@ -240,8 +235,8 @@ class Linear3D(Module):
             self.bias = Parameter(init_bias("uniform", placement, self.in_features, self.dtype,
                                             seed=seed, xp=xp, layer="Linear3D"),
                                   placement=placement)
-        self._labels = _labels(f"Linear3D({self.in_features}->{self.out_features}, bias={bias}, "
-                               f"dtype={self.dtype.name})")
+        self.label_calls(f"Linear3D({self.in_features}->{self.out_features}, bias={bias}, "
+                         f"dtype={self.dtype.name})")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -273,15 +268,25 @@ class Linear3D(Module):
         """All-gather the full weight and bias gradients; collective over the cube."""
         return self._gather_full(self.weight.grad, None if self.bias is None else self.bias.grad)
 
-    @_labelled
     def forward(self, x: Any) -> Any:
         """Return the output block (output layout) for the input block ``x`` (input layout)."""
         layout = self.layout
-        in_local = self.weight.data.shape[1]
-        # The layout first: a block in the wrong layout may also have the wrong shape on
-        # some ranks, and every rank should give the same reason.
-        layout.check(x, repr(self))
-        check_array(self, x, in_local, self.dtype, what="local input block", min_ndim=2)
+        with self.agreement("forward", x, layout.agreeing, (0, -1),
+                            validate=(self._check, layout, x, "input")):
+            return self._forward(x)
+
+    def _check(self, layout: Layout3D, block: Any, what: str, shape: tuple | None = None) -> None:
+        """The layout first (a block in the wrong layout may also have the wrong shape),
+        then the array."""
+        layout.check(block, repr(self), what)
+        if shape is None:
+            check_array(self, block, self.weight.data.shape[1], self.dtype,
+                        what="local input block", min_ndim=2)
+        else:
+            check_array(self, block, None, self.dtype, what=f"{what} block", shape=shape)
+
+    def _forward(self, x: Any) -> Any:
+        layout, in_local = self.layout, self.weight.data.shape[1]
         xp = array_module(x)
         x_rows = layout.input.all_gather(x, axis=0)
         w_rows = layout.weight.all_gather(self.weight.data, axis=0, sizes=self._gathered_rows)
@@ -295,14 +300,19 @@ class Linear3D(Module):
                                w_rows if self.input_grad else None, y.shape)
         return tag(y, layout.swapped().key)
 
-    @_labelled
     def backward(self, dy: Any) -> Any:
         """Return the input-gradient block (None with ``input_grad=False``); accumulate the
         gradients of unfrozen weight and bias."""
-        x2d, x_rows_shape, w_rows, y_shape = self.saved_tensors()
         layout = self.layout
-        layout.swapped().check(dy, repr(self), "output gradient")
-        check_array(self, dy, None, self.dtype, what="output gradient block", shape=y_shape)
+        saved = self.saved_tensors()
+        with self.agreement("backward", dy, layout.agreeing, (0, -1),
+                            validate=(self._check, layout.swapped(), dy, "output gradient",
+                                      saved[3])):
+            return self._backward(dy, *saved)
+
+    def _backward(self, dy: Any, x2d: Any, x_rows_shape: tuple, w_rows: Any,
+                  y_shape: tuple) -> Any:
+        layout = self.layout
         bias_grad = self.bias is not None and self.bias.requires_grad
         if not (self.input_grad or self.weight.requires_grad or bias_grad):
             return None
@@ -368,40 +378,43 @@ class LayerNorm3D(Module):
         width = placement.local_shape[0]
         self.weight = Parameter(xp.ones(width, dtype=self.dtype), placement=placement)
         self.bias = Parameter(xp.zeros(width, dtype=self.dtype), placement=placement)
-        self._labels = _labels(f"LayerNorm3D({self.hidden}, eps={self.eps!r}, "
-                               f"dtype={self.dtype.name})")
+        self.label_calls(f"LayerNorm3D({self.hidden}, eps={self.eps!r}, dtype={self.dtype.name})")
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, depth={self.layout.depth}, eps={self.eps}"
+
+    def _check(self, block: Any, what: str, shape: tuple | None = None) -> None:
+        """The layout first, then the array (see :meth:`Linear3D._check`)."""
+        self.layout.check(block, repr(self), what)
+        if shape is None:
+            check_array(self, block, self.weight.data.shape[0], self.dtype,
+                        what="local input block", min_ndim=2)
+        else:
+            check_array(self, block, None, self.dtype, what=f"{what} block", shape=shape)
 
     def _row_sums(self, *terms: Any) -> list[Any]:
         """Row sums over the full (distributed) hidden axis, all terms in one all-reduce."""
         local = local_row_sums(*terms)
         return list(self.layout.output.all_reduce(array_module(local[0]).stack(local)))
 
-    @_labelled
     def forward(self, x: Any) -> Any:
         """Normalize each row of the input block ``x`` (same layout out)."""
-        try:
-            self.layout.check(x, repr(self))
-            check_array(self, x, self.weight.data.shape[0], self.dtype,
-                        what="local input block", min_ndim=2)
-        except (TypeError, ValueError) as error:
-            # The row sums over the output group are the others' only collective here.
-            collectives.refuse(self.layout.output, "LayerNorm3D.forward", error)
-            raise
-        y, xhat, rstd = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps,
-                                           self.hidden, self._row_sums)
-        self.save_for_backward(xhat, rstd)
-        return tag(y, self.layout.key)
+        with self.agreement("forward", x, self.layout.agreeing, (0, -1),
+                            validate=(self._check, x, "input")):
+            y, xhat, rstd = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps,
+                                               self.hidden, self._row_sums)
+            self.save_for_backward(xhat, rstd)
+            return tag(y, self.layout.key)
 
-    @_labelled
     def backward(self, dy: Any) -> Any:
         """Return the input-gradient block (None with ``input_grad=False``); accumulate the
         gradients of unfrozen ``gamma`` and ``beta``."""
         xhat, rstd = self.saved_tensors()
-        self.layout.check(dy, repr(self), "output gradient")
-        check_array(self, dy, None, self.dtype, what="output gradient block", shape=xhat.shape)
+        with self.agreement("backward", dy, self.layout.agreeing, (0, -1),
+                            validate=(self._check, dy, "output gradient", xhat.shape)):
+            return self._backward(dy, xhat, rstd)
+
+    def _backward(self, dy: Any, xhat: Any, rstd: Any) -> Any:
         trained = [p for p in (self.weight, self.bias) if p.requires_grad]
         dx, dgamma, dbeta = layer_norm_backward(dy, xhat, rstd, self.weight.data, self.hidden,
                                                 self._row_sums, param_grads=bool(trained),

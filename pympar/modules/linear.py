@@ -9,7 +9,8 @@ import numpy
 
 from ..backend import array_module
 from ..partition import Placement
-from .core import Module, check_array
+from .core import Module
+from .validation import check_array
 from .parameter import Parameter
 from .init_methods import InitMethod
 from .sharded_init import init_bias, init_shard

@@ -14,7 +14,8 @@ import numpy
 
 from ..backend import array_module, is_bfloat16
 from ..partition import Placement
-from .core import Module, check_array
+from .core import Module
+from .validation import check_array
 from .parameter import Parameter
 
 __all__ = ["LayerNorm", "RowSums", "local_row_sums", "layer_norm_forward", "layer_norm_backward"]

@@ -7,12 +7,12 @@ parallelism, an all-gather and a reduce-scatter of the sequence axis instead).
 Both are built from :mod:`pympar.mappings`, whose backward methods are the exact
 adjoints of their forwards, so each layer's backward is the textbook chain rule.
 
-Each layer runs its forward and backward inside a :func:`pympar.mappings.label` naming the
-class, its global sizes and its flags (built once, in the constructor). The collectives'
-agreement check compares that label, so ranks that built different layers raise
-:class:`~pympar.debug.CollectiveMismatchError` even where the collective itself looks alike
-(e.g. a Column 8->6 -> Row 6->4 chain on one rank and 8->8->4 on another: the same
-all-reduce shape), at no extra message. Statistics keep each mapping's own label.
+Each layer starts its forward and backward with one agreement
+(:meth:`~pympar.modules.Module.agreement`) on its label (class, global sizes, flags, dtype)
+and on its input's dtype and unsplit extents, so ranks that built different layers, or
+that pass an input only some refuse, raise
+:class:`~pympar.errors.CollectiveMismatchError` on every rank (e.g. a Column 8->6 -> Row
+6->4 chain on one rank and 8->8->4 on another). Statistics keep each mapping's own label.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import Any, Union
 
 import numpy
 
-from .. import collectives, mappings
+from .. import mappings
 from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
 from ..partition import Placement, Split
-from .core import Module, check_array
+from .core import Module
+from .validation import check_array
 from .parameter import Parameter
 from .init_methods import InitMethod
 from .sharded_init import init_bias, init_shard
@@ -63,22 +64,12 @@ class _TensorParallelLinear(Module):
         self.use_sequence_parallel = bool(use_sequence_parallel)
 
     def _name_calls(self, flags: str) -> None:
-        """Build the labels forward and backward run under: class, global sizes, flags.
-
-        What every rank of the group must share goes in, so that the agreement check of
-        the first collective inside tells apart ranks that built different layers.
-        """
-        self._name = (f"{type(self).__name__}({self.in_features}->{self.out_features}, "
-                      f"{flags}, bias={self.bias is not None}, "
-                      f"skip_bias_add={self.skip_bias_add}, "
-                      f"sequence_parallel={self.use_sequence_parallel}, dtype={self.dtype.name})")
-        self._inside("")
-
-    def _inside(self, owner: str) -> None:
-        """Prefix the labels with the settings of the layer that owns this one (``owner``),
-        for owners whose settings (say, heads) change nothing these collectives can see."""
-        name = f"{owner}/{self._name}" if owner else self._name
-        self._forward_label, self._backward_label = name + ".forward", name + ".backward"
+        """Label forward and backward with what every rank must share: class, sizes, flags."""
+        self.label_calls(f"{type(self).__name__}({self.in_features}->{self.out_features}, "
+                         f"{flags}, bias={self.bias is not None}, "
+                         f"skip_bias_add={self.skip_bias_add}, "
+                         f"sequence_parallel={self.use_sequence_parallel}, "
+                         f"dtype={self.dtype.name})")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -86,10 +77,12 @@ class _TensorParallelLinear(Module):
 
     def _local_affine(self, x: Any) -> tuple[Any, Any]:
         """Return ``x @ W_local.T`` (no bias) and ``x`` as 2-D for the backward cache."""
-        xp = array_module(x)
-        x2d = _rows(x)
+        # Written out: this is the hot path of every forward.
+        xp = numpy if type(x) is numpy.ndarray else array_module(x)
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         w = self.weight.data
-        y2d = _matmul_into(xp, x2d, w.T, x2d.shape[0], w.shape[0], w.dtype)
+        y2d = xp.empty((x2d.shape[0], w.shape[0]), dtype=w.dtype)
+        xp.matmul(x2d, w.T, out=y2d)
         return y2d.reshape(*x.shape[:-1], w.shape[0]), x2d
 
     def _local_affine_backward(self, dy: Any, x2d: Any, x_shape: tuple) -> Any:
@@ -119,29 +112,6 @@ class _TensorParallelLinear(Module):
             self.bias = Parameter(init_bias(bias_init, placement, self.in_features, self.dtype,
                                             seed=seed, xp=xp, layer=type(self).__name__),
                                   placement=placement)
-
-    def _check(self, x: Any, last_dim: int | None, calls_next: bool, direction: str, *,
-               what: str = "input", shape: tuple | None = None,
-               always_checked: bool = False) -> None:
-        """:func:`~pympar.modules.core.check_array`; a refusal reaches every rank when the
-        others are about to make a collective on the group (``calls_next``;
-        ``always_checked``: see :func:`pympar.collectives.refuse`).
-
-        The other ranks of the group would otherwise wait in that collective for ever:
-        :func:`pympar.collectives.refuse` makes them raise too. Where no collective
-        comes next, the others go on, and this rank raises alone.
-        """
-        try:
-            check_array(self, x, last_dim, self.dtype, what=what, shape=shape)
-        except (TypeError, ValueError) as error:
-            if calls_next:
-                collectives.refuse(self.group, f"{type(self).__name__}.{direction}", error,
-                                   always_checked)
-            raise
-
-    def _check_grad(self, dy: Any, expected: tuple, calls_next: bool) -> None:
-        self._check(dy, None, calls_next, "backward", what="output gradient",
-                    shape=tuple(expected))
 
 
 class ColumnParallelLinear(_TensorParallelLinear):
@@ -217,29 +187,26 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: Any) -> Any:
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
-        with mappings.label(self._forward_label):
-            return self._forward(x)
-
-    def _forward(self, x: Any) -> Any:
-        # Gathering (the sequence, or the output) is the collective the others make next.
-        self._check(x, self.in_features, self.use_sequence_parallel or self.gather_output,
-                    "forward", always_checked=self.use_sequence_parallel)
-        if self.use_sequence_parallel:
-            total = mappings.gather_from_sequence(x, group=self.group)
-        else:
-            total = mappings.copy_to_all(x, group=self.group)
-        y, x2d = self._local_affine(total)
-        if self.bias is not None and not self.skip_bias_add:
-            y += self.bias.data
-        self.save_for_backward(x2d, total.shape)
-        if self.gather_output:
-            y = mappings.gather_from_hidden(y, group=self.group, global_size=self.out_features)
-        if not self.skip_bias_add:
-            return y
-        bias = self.bias.data if self.bias is not None else None
-        if bias is not None and self.gather_output:
-            bias = mappings.gather_from_hidden(bias, group=self.group, global_size=self.out_features)
-        return y, bias
+        sp = self.use_sequence_parallel
+        with self.agreement("forward", x, self.group, (0,) if sp else (), 0 if sp else None,
+                            validate=(check_array, self, x, self.in_features, self.dtype)) as rows:
+            if sp:
+                total = mappings.gather_from_sequence(x, self.group, global_size=sum(rows))
+            else:
+                total = mappings.copy_to_all(x, self.group)
+            y, x2d = self._local_affine(total)
+            if self.bias is not None and not self.skip_bias_add:
+                y += self.bias.data
+            self.save_for_backward(x2d, total.shape)
+            if self.gather_output:
+                y = mappings.gather_from_hidden(y, self.group, global_size=self.out_features)
+            if not self.skip_bias_add:
+                return y
+            bias = self.bias.data if self.bias is not None else None
+            if bias is not None and self.gather_output:
+                bias = mappings.gather_from_hidden(bias, self.group,
+                                                   global_size=self.out_features)
+            return y, bias
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate the
@@ -252,17 +219,16 @@ class ColumnParallelLinear(_TensorParallelLinear):
         dbias : array, optional
             With ``skip_bias_add``: the gradient of the returned bias.
         """
-        with mappings.label(self._backward_label):
-            return self._backward(dy, dbias)
-
-    def _backward(self, dy: Any, dbias: Any) -> Any:
         x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
-        # Only the input gradient's sum communicates (the gathered output's adjoint
-        # keeps this rank's block).
-        self._check_grad(dy, (*total_shape[:-1], width), self.input_grad)
+        with self.agreement("backward", dy, self.group, () if self.gather_output else (-1,),
+                            validate=(check_array, self, dy, None, self.dtype, "output gradient",
+                                      (*total_shape[:-1], width))):
+            return self._backward(dy, dbias, x2d, total_shape)
+
+    def _backward(self, dy: Any, dbias: Any, x2d: Any, total_shape: tuple) -> Any:
         if self.gather_output:
-            dy = mappings.gather_from_hidden.backward(dy, group=self.group)
+            dy = mappings.gather_from_hidden.backward(dy, self.group)
             if dbias is not None:
                 dbias = mappings.gather_from_hidden.backward(dbias, group=self.group)
         if self.bias is not None and self.bias.requires_grad:
@@ -334,13 +300,12 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: Any) -> Any:
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
-        with mappings.label(self._forward_label):
+        width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
+        with self.agreement("forward", x, self.group, (-1,) if self.input_is_parallel else (),
+                            validate=(check_array, self, x, width, self.dtype)):
             return self._forward(x)
 
     def _forward(self, x: Any) -> Any:
-        width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
-        # The sum of the partial products always follows.
-        self._check(x, width, True, "forward")
         if not self.input_is_parallel:
             x = mappings.scatter_to_hidden(x, group=self.group)
         partial, x2d = self._local_affine(x)
@@ -358,21 +323,16 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def backward(self, dy: Any, dbias: Any = None) -> Any:
         """Return the input gradient in the input's layout (None with ``input_grad=False``);
-        accumulate the gradients of the weight and bias unless they are frozen.
-
-        Parameters
-        ----------
-        dy : array
-            Gradient of the output, in the layout ``forward`` returned.
-        dbias : array, optional
-            With ``skip_bias_add``: the gradient of the returned bias.
-        """
-        with mappings.label(self._backward_label):
-            return self._backward(dy, dbias)
-
-    def _backward(self, dy: Any, dbias: Any) -> Any:
+        accumulate the gradients of the weight and bias unless they are frozen; ``dy`` and
+        ``dbias`` as in :meth:`ColumnParallelLinear.backward`."""
         x2d, x_shape, y_shape = self.saved_tensors()
-        self._check_grad(dy, y_shape, self._backward_communicates())
+        with self.agreement("backward", dy, self.group,
+                            (0,) if self.use_sequence_parallel else (),
+                            validate=(check_array, self, dy, None, self.dtype,
+                                      "output gradient", y_shape)):
+            return self._backward(dy, dbias, x2d, x_shape)
+
+    def _backward(self, dy: Any, dbias: Any, x2d: Any, x_shape: tuple) -> Any:
         if self.bias is not None and self.bias.requires_grad:
             if not self.skip_bias_add:
                 dbias = _rows(dy).sum(axis=0)
@@ -396,12 +356,3 @@ class RowParallelLinear(_TensorParallelLinear):
         if dx is None or self.input_is_parallel:
             return dx
         return mappings.scatter_to_hidden.backward(dx, group=self.group, global_size=self.in_features)
-
-    def _backward_communicates(self) -> bool:
-        """Whether backward makes a collective on the group (as this rank's flags tell):
-        with sequence parallelism, the bias gradient's sum or the output gradient's
-        gather; without, the input gradient's gather (the reduction's adjoint is local)."""
-        bias = self.bias is not None and self.bias.requires_grad
-        if self.use_sequence_parallel:
-            return bias or self.input_grad or self.weight.requires_grad
-        return self.input_grad and not self.input_is_parallel

@@ -1,0 +1,204 @@
+"""The path every collective call takes once planned: check, pack, call MPI, unpack (private).
+
+:func:`run` is the common tail of :mod:`pympar.collectives`: it refuses an ``out=`` that
+does not fit or overlaps the input (CuPy arrays compared by their device pointer ranges),
+makes the call's one agreement check, and hands over to :func:`move`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _agreement, backend, debug, stats
+from ._agreement import refuse
+from ._comm_state import Communicator
+from ._plans import Plan, pack, unpack
+from .errors import CollectiveMismatchError, wait
+
+_IN_PLACE = MPI.IN_PLACE
+
+
+def _span(a: Any) -> tuple[int, int]:
+    """The byte range ``a``'s elements lie in (device pointers for CuPy)."""
+    face = a.__array_interface__ if type(a) is np.ndarray else a.__cuda_array_interface__
+    lo = hi = face["data"][0]
+    for n, step in zip(a.shape, a.strides):
+        if n == 0:
+            return lo, lo
+        lo, hi = (lo, hi + (n - 1) * step) if step > 0 else (lo + (n - 1) * step, hi)
+    return lo, hi + a.itemsize
+
+
+def _overlaps(out: Any, x: Any) -> bool:
+    """Whether ``out`` shares memory with ``x`` without being it. Two arrays that each own
+    their memory cannot overlap: the common case skips the comparison."""
+    if out is x or (out.base is None and x.base is None):
+        return False
+    if type(x) is np.ndarray:
+        return bool(np.may_share_memory(out, x))
+    (a, b), (c, d) = _span(out), _span(x)
+    return a < d and c < b
+
+
+def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
+           dtype: np.dtype | None = None) -> Exception:
+    """The error of an ``out`` that is not an array of ``x``'s kind, dtype and ``shape``."""
+    return (TypeError if type(out) is not type(x) else ValueError)(
+        f"{shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} and "
+        f"dtype {getattr(out, 'dtype', '?')}, which does not fit: expected a "
+        f"{type(x).__name__} of shape {shape} and dtype {dtype or x.dtype}"
+        + (" (-1: the gathered extent)" if -1 in shape else ""))
+
+
+def destination(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
+    """The C-contiguous array MPI (or the unpacking) writes for ``out``: ``out`` itself, or
+    scratch for a non-contiguous one; raises for an ``out`` that does not
+    fit or that overlaps ``x`` (``out`` may be ``x`` itself where the operation allows)."""
+    if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
+        if out is not x and (out.base is not None or x.base is not None) and _overlaps(out, x):
+            raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
+                             f"pass a separate array")
+        return out if out.flags.c_contiguous else \
+            group._state.scratch("dest", out.shape, x.dtype, x)
+    raise _unfit(x, out, plan.out_shape, plan.shown)
+
+
+def claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> int:
+    """What a gather of unknown extents tells the others of its ``out``: 0 without one,
+    else its extent along ``axis`` plus one, after refusing an ``out`` that cannot fit
+    whatever the extents are (``shape`` is the result's, with -1 along ``axis``)."""
+    if out is None:
+        return 0
+    native = x.dtype.newbyteorder("=")  # the result's dtype, and so out's
+    if (type(out) is type(x) and out.dtype == native and out.ndim == len(shape)
+            and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
+        if _overlaps(out, x):
+            raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
+        return out.shape[axis] + 1
+    raise _unfit(x, out, shape, shown, native)
+
+
+# --------------------------------------------------------------------------- the path
+
+
+def run(group: Communicator, plan: Plan, x: Any, out: Any, name: str | None,
+         checked: bool = False) -> Any:
+    """Check, then move: the common tail of every collective (``checked``: already done)."""
+    if plan.swap:
+        x = x.astype(x.dtype.newbyteorder("="))
+    own = name
+    if _agreement._label is not None:
+        name = f"{_agreement._label}/{name}" if name else _agreement._label
+    try:
+        dest = None if out is None else destination(group, plan, x, out)
+    except (TypeError, ValueError) as err:
+        if not checked:
+            refuse(group, plan.key[0], err)
+        raise
+    if not checked and group.size > 1 and not group._state.board.agree(
+            plan.signatures.get(name) or plan.signature(name), group, plan.shown,
+            debug._timeout):
+        debug.report(group, _agreement.describe(plan.shown, name))
+    if not stats._active:
+        return move(group, plan, x, dest, out)
+    start = time.perf_counter()
+    y = move(group, plan, x, dest, out)
+    # A layer's collectives keep their kind ("Linear3D.forward:all_gather"); a mapping's
+    # label already says it.
+    kind = own or (f"{name}:{plan.key[0]}" if name else plan.key[0])
+    stats.add(group.name, kind, x.nbytes, y.nbytes, time.perf_counter() - start)
+    return y
+
+
+def move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
+    """Pack, call MPI, unpack."""
+    numpy = type(x) is np.ndarray
+    if dest is None:
+        dest = (np.empty if numpy else backend.array_module(x).empty)(plan.out_shape, x.dtype)
+    if group.size == 1:
+        dest[...] = x
+    else:
+        sb, rb, method, state = plan.send, plan.recv, plan.method, group._state
+        if method == "Bcast":
+            send = None
+            if group.rank == plan.tail[0] and dest is not x:
+                dest[...] = x
+        elif sb is not None:
+            send = state.scratch("send", sb.scratch_shape, plan.work, x)
+            pack(send, x, sb)
+        elif dest is x and not plan.cast:
+            send = _IN_PLACE  # an in-place all_reduce
+        elif x.flags.c_contiguous and not plan.cast:
+            send = x
+        else:
+            send = state.scratch("send", x.shape, plan.work, x)
+            send[...] = x  # C order (never memory order), float32 for half precision
+        if rb is not None:
+            recv = state.scratch("recv", rb.scratch_shape, plan.work, x)
+        elif plan.cast:
+            recv = state.scratch("acc", plan.out_shape, plan.work, x)
+        else:
+            recv = dest
+        wsend, wrecv = (send, recv) if numpy else backend.to_wire(send, recv)
+        call = getattr(group.comm, method)
+        timed = debug._timeout is not None and type(wrecv) is np.ndarray
+        try:
+            if plan.chunk is None and not timed:
+                receive = [wrecv, *plan.recv_spec]
+                if wsend is None:
+                    call(receive, *plan.tail)
+                elif wsend is _IN_PLACE:
+                    call(wsend, receive, *plan.tail)
+                else:
+                    call([wsend, *plan.send_spec], receive, *plan.tail)
+            else:
+                _call_in_parts(group, plan, wsend, wrecv, timed)
+        except MPI.Exception as err:
+            if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            raise CollectiveMismatchError(
+                f"{plan.shown} on group {group.name!r}: MPI received more data than this "
+                f"rank expects (message truncated): the ranks passed arrays of different "
+                f"shapes or sizes") from err
+        if not numpy:
+            backend.from_wire(recv, wrecv)
+        if rb is not None:
+            unpack(dest, recv, rb)
+        elif recv is not dest:
+            dest[...] = recv  # rounds float32 sums back to half precision
+    if out is None or dest is out:
+        return dest
+    out[...] = dest  # a non-contiguous out, written once at the end
+    return out
+
+
+def _call_in_parts(group: Communicator, plan: Plan, send: Any, recv: Any, timed: bool) -> None:
+    """The data call under a timeout (its non-blocking twin, polled) or, for MPI-3 and a
+    count above INT_MAX, as a few calls on consecutive slices."""
+    method = plan.method
+    if timed:
+        method = "I" + method[0].lower() + method[1:]  # Allgatherv -> Iallgatherv
+    call = getattr(group.comm, method)
+    if plan.chunk is None:
+        parts = [(send, recv)]
+    else:
+        flat_r = recv.reshape(-1)
+        flat_s = send.reshape(-1) if send is not None and send is not _IN_PLACE else send
+        parts = [(flat_s[lo:lo + plan.chunk] if flat_s is not None and flat_s is not _IN_PLACE
+                  else flat_s, flat_r[lo:lo + plan.chunk])
+                 for lo in range(0, flat_r.size, plan.chunk)]
+    for s, r in parts:
+        request = call(*_args(plan, s, r))
+        if timed:
+            wait(request, plan.shown, group, debug._timeout)
+
+
+def _args(plan: Plan, send: Any, recv: Any) -> tuple:
+    receive = [recv, *plan.recv_spec]
+    if send is None:
+        return (receive, *plan.tail)
+    return (send if send is _IN_PLACE else [send, *plan.send_spec], receive, *plan.tail)
