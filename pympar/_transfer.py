@@ -22,26 +22,13 @@ from .errors import CollectiveMismatchError, wait
 _IN_PLACE = MPI.IN_PLACE
 
 
-def _span(a: Any) -> tuple[int, int]:
-    """The byte range ``a``'s elements lie in (device pointers for CuPy)."""
-    face = a.__array_interface__ if type(a) is np.ndarray else a.__cuda_array_interface__
-    lo = hi = face["data"][0]
-    for n, step in zip(a.shape, a.strides):
-        if n == 0:
-            return lo, lo
-        lo, hi = (lo, hi + (n - 1) * step) if step > 0 else (lo + (n - 1) * step, hi)
-    return lo, hi + a.itemsize
-
-
 def _overlaps(out: Any, x: Any) -> bool:
     """Whether ``out`` shares memory with ``x`` without being it. Two arrays that each own
     their memory cannot overlap: the common case skips the comparison."""
     if out is x or (out.base is None and x.base is None):
         return False
-    if type(x) is np.ndarray:
-        return bool(np.may_share_memory(out, x))
-    (a, b), (c, d) = _span(out), _span(x)
-    return a < d and c < b
+    # CuPy's may_share_memory compares the device ranges without handing a pointer out.
+    return bool(backend.array_module(x).may_share_memory(out, x))
 
 
 def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,

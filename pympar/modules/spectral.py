@@ -41,7 +41,8 @@ from ..backend import array_module
 from ..fft._local import ADJOINT_NORM, c2c, c2r, r2c, scale_conjugate_pairs
 from ..group import Group
 from ..partition import Placement, Split, balanced_sizes
-from .core import Module, check_array
+from .core import Module
+from .validation import check_array
 from .parameter import Parameter
 
 __all__ = ["SpectralConv", "SpectralConv1d", "SpectralConv2d", "SpectralConv3d"]

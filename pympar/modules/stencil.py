@@ -26,7 +26,8 @@ from ..backend import array_module, is_cupy_array
 from ..decomposition import agree_all
 from ..halo import HaloExchange
 from ..partition import Placement
-from .core import Module, check_array
+from .core import Module
+from .validation import check_array
 from .parameter import Parameter
 from .sharded_init import init_bias, init_shard
 

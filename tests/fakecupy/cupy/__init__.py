@@ -550,3 +550,6 @@ def get_default_pinned_memory_pool() -> _MemoryPool:
 def synchronize() -> None:
     """Not CuPy API: tests complete every pending kernel with it (like Device.synchronize)."""
     cuda._complete()
+
+
+from . import fft  # noqa: E402  (cupy.fft, as CuPy imports it with the package)
