@@ -503,6 +503,9 @@ complex128 intp dtype newaxis pi e inf nan finfo iinfo result_type can_cast prom
 
 
 def __getattr__(name: str) -> Any:
+    if name == "fft":  # cupy.fft, a submodule as in CuPy
+        from . import fft
+        return fft
     if name in _CONSTANTS:
         return getattr(numpy, name)
     if name in _FUNCTIONS:
@@ -550,6 +553,3 @@ def get_default_pinned_memory_pool() -> _MemoryPool:
 def synchronize() -> None:
     """Not CuPy API: tests complete every pending kernel with it (like Device.synchronize)."""
     cuda._complete()
-
-
-from . import fft  # noqa: E402  (cupy.fft, as CuPy imports it with the package)
