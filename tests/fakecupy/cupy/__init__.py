@@ -27,6 +27,8 @@ AttributeError, so code calling a NumPy-only function through ``xp`` fails here 
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import sys
 import types
@@ -504,8 +506,7 @@ complex128 intp dtype newaxis pi e inf nan finfo iinfo result_type can_cast prom
 
 def __getattr__(name: str) -> Any:
     if name == "fft":  # cupy.fft, a submodule as in CuPy
-        from . import fft
-        return fft
+        return importlib.import_module(f"{__name__}.fft")
     if name in _CONSTANTS:
         return getattr(numpy, name)
     if name in _FUNCTIONS:
