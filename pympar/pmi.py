@@ -11,8 +11,6 @@ separate worlds prints it, so that the message appears once.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 from mpi4py import MPI
 
@@ -52,6 +50,9 @@ def first_task() -> bool:
 
 def _pmi_plugins() -> str:
     """What ``srun --mpi=list`` offers, as ``"pmi2, pmix"`` ("" when it cannot be asked)."""
+    import shutil
+    import subprocess  # only on the way to an error: not at import
+
     srun = shutil.which("srun")
     if srun is None:
         return ""
