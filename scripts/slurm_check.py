@@ -447,6 +447,11 @@ def main() -> int:
         for job in jobs:
             if job.info().get("JobState") not in DONE_STATES:
                 run(["scancel", job.id])
+        deadline = time.monotonic() + 90  # the ranks of a cancelled job take a while to go
+        while time.monotonic() < deadline and any(
+                job.info().get("JobState", "COMPLETED") not in DONE_STATES for job in jobs):
+            time.sleep(1)
+        for job in jobs:
             job.keep_log()
         for path in Path("/dev/shm").glob("mpich_shm_*"):
             if any(path.name == mpich_shm_name(job.id, s) for job in jobs for s in range(64)):

@@ -35,7 +35,11 @@ write_config() {
   # 16 CPUs whatever the machine has (config_overrides): the check's jobs of 4 ranks each run
   # side by side, their ranks sharing the real cores.
   cpus=$(( $(nproc) > 16 ? $(nproc) : 16 ))
-  rm -rf "$DIR/state" "$DIR/spool" "$DIR/log"   # a fresh cluster: job ids start at 1
+  rm -rf "$DIR/state" "$DIR/spool" "$DIR/log"   # a fresh cluster each time ...
+  # ... whose job ids never repeat an earlier one's, as on a real cluster: a job id and step
+  # id name MPICH's shared memory, and a killed earlier job of the same id would have left
+  # its segment behind for the new one to hang on.
+  local first=$(( $(date +%s) / 10 % 60000000 + 1000 ))
   mkdir -p "$DIR/etc" "$DIR/state" "$DIR/spool" "$DIR/log"
   cat >"$CONF" <<EOF
 # Written by scripts/slurm_cluster.sh: one node, this host, daemons as root.
@@ -66,6 +70,7 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/log/jobcomp.log
 KillWait=30
 MinJobAge=600
+FirstJobId=$first
 InactiveLimit=0
 NodeName=$host CPUs=$cpus RealMemory=1000 State=UNKNOWN
 PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP

@@ -62,7 +62,8 @@ if [[ -n ${SLURM_JOB_ID:-} && ${SLURM_RESTART_COUNT:-0} != 0 ]]; then
     remove_stale_mpich_shm "$SLURM_JOB_ID"
   else  # every node of the job: one small task per node
     srun --mpi=none --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" bash -c \
-      "$(declare -f mpich_shm_hash remove_stale_mpich_shm); remove_stale_mpich_shm $SLURM_JOB_ID"
+      "$(declare -f mpich_shm_hash remove_stale_mpich_shm); remove_stale_mpich_shm $SLURM_JOB_ID" \
+      || echo "requeue.sh: could not clear /dev/shm on every node (srun failed)" >&2
   fi
 fi
 
