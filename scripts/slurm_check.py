@@ -225,8 +225,8 @@ class Job:
                   timeout)
 
     def runs(self) -> list[str]:
-        """The log of each run: a requeue ends a run with slurmstepd's line about it."""
-        return self.log().split("DUE TO JOB REQUEUE")
+        """The log of each run: requeue.sh says when a run starts."""
+        return self.log().split(f"requeue.sh: job {self.id}, run ")[1:]
 
     def wait_training(self, run_index: int, timeout: float) -> None:
         """Until run ``run_index`` of the job has trained a step (its log says so)."""
@@ -274,12 +274,14 @@ def check_finished_like_reference(job: Job, reference: dict, requeues: int) -> N
             f"{stops(log)}, resumes {resumes(log)}\n{log[-3000:]}")
     require(stops(log) == resumes(log), f"{job.name}: resumed at {resumes(log)} after "
             f"stopping at {stops(log)}")
-    # The requeue ends the batch shell once the step is over: slurmstepd says "CANCELLED ...
-    # DUE TO JOB REQUEUE" about the script, once per requeue; never about a step.
+    # The requeue ends the batch shell once the step is over: slurmstepd may say "CANCELLED
+    # ... DUE TO JOB REQUEUE" about the script (when it had not ended yet); never a step.
     cancelled = re.findall(r"\*\*\* (\w+) [\d.]+ ON \S+ CANCELLED AT \S+( DUE TO JOB REQUEUE)?",
                            log)
-    require(cancelled == [("JOB", " DUE TO JOB REQUEUE")] * requeues and "TIME LIMIT" not in log,
-            f"{job.name}: unexpected cancellations {cancelled}\n{log[-3000:]}")
+    require(set(cancelled) <= {("JOB", " DUE TO JOB REQUEUE")} and len(cancelled) <= requeues
+            and "TIME LIMIT" not in log and len(job.runs()) == requeues + 1,
+            f"{job.name}: unexpected cancellations {cancelled} or runs {len(job.runs())}\n"
+            f"{log[-3000:]}")
     require("Traceback" not in log and "MPI_Abort" not in log, f"{job.name}: errors in the log"
             f"\n{log[-3000:]}")
     metrics = json.loads((job.out / "metrics.json").read_text())

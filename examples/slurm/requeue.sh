@@ -19,6 +19,8 @@
 #    ids, same names).
 
 PYMPAR_REQUEUE_STATUS=75
+echo "requeue.sh: job ${SLURM_JOB_ID:-(none)}, run ${SLURM_RESTART_COUNT:-0} starts" \
+     "(${SLURM_RESTART_COUNT:-0} requeues so far)" >&2
 # Where rank 0 of the program and this shell both see it (the submit directory is shared).
 export PYMPAR_STOP_FILE=${PYMPAR_STOP_FILE:-${SLURM_SUBMIT_DIR:-$PWD}/.pympar-stop-${SLURM_JOB_ID:-$$}}
 rm -f "$PYMPAR_STOP_FILE"   # a request of an earlier run of this job is not for this one
@@ -29,7 +31,7 @@ _run_step_stop() {
 }
 trap _run_step_stop USR1
 
-# MPICH (4.1 and later, ch4) names the shared-memory segment of a job step
+# MPICH (ch4; checked with 5.0.2 under Slurm 22.05) names the shared memory of a job step
 # mpich_shm_<FNV-1a of the PMI job id, hex>_<node>; Slurm's PMI job id is "<job>.<step>".
 # A run killed before MPI_Finalize leaves it behind, and the requeued run (same job and step
 # ids) would attach to it and fail or hang in MPI_Init.
