@@ -245,9 +245,11 @@ class Job:
         say(f"{self.name}: scancel --signal=USR1 {' '.join(flags)} {self.id}")
 
     def keep_log(self) -> None:
+        """Move the job's log and outputs from the submit directory into the check's."""
         if self.log_path.exists():
-            shutil.copy(self.log_path, WORK / self.name / "job.out")
-            self.log_path.unlink()
+            shutil.move(self.log_path, WORK / self.name / "job.out")
+        if self.out.exists():
+            shutil.move(self.out, WORK / self.name / "out")
 
 
 def stops(log: str) -> list[int]:
