@@ -55,13 +55,13 @@ from mpi4py import MPI
 from pympar import backend, checkpoint, manager
 from pympar.amp import GradScaler, master_weights_optimizer
 from pympar.launch import RankZeroParser, finalize_and_exit, launcher_hint, report_error
-from pympar.pmi import LauncherMismatchError, check_launcher
 from pympar.memory import activation_bytes, memory_report
 from pympar.modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
                             Linear3D, Module, Recompute, RowParallelLinear, layout_3d)
 from pympar.modules.context_attention import split_context_group
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.partition import block_slice
+from pympar.pmi import LauncherMismatchError, check_launcher
 from pympar.preemption import REQUEUE_STATUS, Preemption
 from pympar.zero import ZeroRedundancyOptimizer
 
