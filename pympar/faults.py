@@ -175,6 +175,10 @@ def start(comm: MPI.Comm) -> None:
     pympar.debug.CollectiveMismatchError
         On every rank, when other ranks make another agreed call meanwhile (a
         :class:`~pympar.mesh.Mesh`, say) instead of ``initialize_parallel``.
+    pympar.pmi.LauncherMismatchError
+        On every task, when Slurm started several tasks but MPI sees a world of one
+        rank (the wrong ``srun --mpi`` plugin); uncaught, it is printed once (task 0)
+        and every task exits 1.
     """
     from .pmi import check_launcher
 
