@@ -20,9 +20,12 @@ directory and the program's flags (a small model). The checks:
 5. ``gpu.sbatch`` without CuPy: the job fails, with one line that names CuPy.
 
 Every state a job passes through is recorded: never TIMEOUT, CANCELLED or FAILED (but for
-the GPU job, which must fail). A requeued job waits for its BeginTime (Slurm holds it back
-about 2 minutes); this check moves it to now (``scontrol update StartTime=now``), a site's
-job simply waits. Exits 0 when every check passes, 1 otherwise.
+the GPU job, which must fail). A requeued job waits for its BeginTime: Slurm holds it back
+``cred_expire`` + 1 seconds, 2 minutes by default; this cluster sets ``cred_expire=20``
+(scripts/slurm_cluster.sh), a site's job simply waits the 2 minutes. (Moving the BeginTime
+to now with ``scontrol update StartTime=now`` is no shortcut: the run would start while
+slurmd still refuses the ended run's revoked credential, and fail.) Exits 0 when every
+check passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class Job:
         self.id = done.stdout.strip().split(";")[0]
         self.states: list[str] = []
         self.released: set[int] = set()
-        self.before_release = {}   # restart count -> function run before StartTime=now
+        self.before_release = {}   # restart count -> called once it is pending again
         # The script's own --output=%x-%j.out, in the submit directory.
         job_name = re.search(r"--job-name=(\S+)", text).group(1)
         self.log_path = REPO / f"{job_name}-{self.id}.out"
@@ -196,9 +199,10 @@ class Job:
             self.released.add(restarts)
             if restarts in self.before_release:
                 self.before_release[restarts]()
-            # Slurm holds a requeued job back (BeginTime, about 2 minutes): no need to wait.
-            run(["scontrol", "update", f"JobId={self.id}", "StartTime=now"])
-            say(f"{self.name}: requeued ({restarts} so far); moved its BeginTime to now")
+            # Slurm holds a requeued job back (BeginTime: cred_expire + 1 s, here 21 s). Not
+            # to be cut short: a run started at once is refused ("Job credential revoked").
+            say(f"{self.name}: requeued ({restarts} so far); waits for its BeginTime "
+                f"{info.get('StartTime')}")
         return info
 
     def wait(self, what: str, until, timeout: float, every: float = 0.25) -> dict[str, str]:

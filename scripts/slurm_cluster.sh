@@ -50,6 +50,10 @@ SlurmdUser=root
 SlurmctldPort=16817
 SlurmdPort=16818
 AuthType=auth/munge
+# A requeued job waits cred_expire + 1 s (BeginTime) before it may start again: until then
+# slurmd still refuses the revoked credential of the run that ended. 120 s by default; 20 s
+# keeps the check short.
+AuthInfo=cred_expire=20
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/slurmd-%n
 SlurmctldPidFile=$DIR/slurmctld.pid
