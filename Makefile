@@ -55,6 +55,12 @@ test: install
 		scripts/mpirun.sh $$n $(PY) -m mpi4py $(PYTEST) || exit 1; \
 	done
 
+# The sbatch scripts of examples/slurm under a real one-node Slurm (as root on Debian-like
+# machines: slurm-wlm and munge from apt); says "test-slurm: SKIPPED" where it cannot run.
+.PHONY: test-slurm
+test-slurm: install
+	scripts/test_slurm.sh
+
 # The main example: learn the 1D Burgers one-step map on 4 ranks (TP=2 x CP=2).
 demo: install
 	scripts/mpirun.sh 4 $(PY) -m mpi4py examples/burgers.py --tp 2 --cp 2 --out out/burgers

@@ -30,10 +30,13 @@ throughput, and writes ``loss.png`` and ``metrics.json`` into ``--out``.
 
 With ``--checkpoint-dir DIR`` the run saves a checkpoint every
 ``--checkpoint-every`` steps and at the end (``DIR/step_00000100``, the last
-three kept), and on SIGUSR1 or SIGTERM to any rank saves at the next step
-boundary and exits 0. ``--resume`` continues from the newest complete
-checkpoint in DIR, under any ``--tp/--cp/--dp`` layout; keep ``--steps`` (the
-learning-rate schedule) and the model flags as they were.
+three kept). Asked to stop early (SIGUSR1 or SIGTERM to any rank, or the stop
+file ``$PYMPAR_STOP_FILE`` of :mod:`pympar.preemption`), it saves at the next
+step boundary, finalizes MPI and exits 75, the status on which
+``examples/slurm/requeue.sh`` requeues the job; a finished run exits 0.
+``--resume`` continues from the newest complete checkpoint in DIR, under any
+``--tp/--cp/--dp`` layout; keep ``--steps`` (the learning-rate schedule) and
+the model flags as they were.
 """
 
 from __future__ import annotations
@@ -51,14 +54,15 @@ from mpi4py import MPI
 
 from pympar import backend, checkpoint, manager
 from pympar.amp import GradScaler, master_weights_optimizer
-from pympar.launch import RankZeroParser, launcher_hint, report_error
+from pympar.launch import RankZeroParser, finalize_and_exit, launcher_hint, report_error
 from pympar.memory import activation_bytes, memory_report
 from pympar.modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
                             Linear3D, Module, Recompute, RowParallelLinear, layout_3d)
 from pympar.modules.context_attention import split_context_group
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.partition import block_slice
-from pympar.preemption import Preemption
+from pympar.pmi import LauncherMismatchError, check_launcher
+from pympar.preemption import REQUEUE_STATUS, Preemption
 from pympar.zero import ZeroRedundancyOptimizer
 
 #: How to run this example (said when it is started as one process without a launcher).
@@ -303,6 +307,7 @@ def peak_rss_bytes() -> int:
 
 def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dict:
     """Generate data, train, validate; return the metrics (the same dict on every rank)."""
+    check_launcher(comm)  # the wrong srun --mpi plugin first: every layout would fail
     check_layout(args, comm.Get_size())
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
     # From here on a stop signal only sets a flag (it would otherwise end the process).
@@ -388,6 +393,10 @@ def _train(args, comm, state, stop, groups) -> dict:
     start = time.perf_counter()
     try:
         for step in range(start_step, args.steps):
+            # Before the step: the first check also sees a stop asked for before the start.
+            if stop is not None and stop.should_stop():
+                preempted = step
+                break
             # cosine decay to a tenth of the initial rate
             optimizer.lr = args.lr * (0.55 + 0.45 * np.cos(np.pi * step / args.steps))
             batch = shuffle.choice(len(u_train), args.batch, replace=False)
@@ -426,23 +435,18 @@ def _train(args, comm, state, stop, groups) -> dict:
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
                 save(step + 1)
                 saved_step = step + 1
-            if stop is not None and stop.should_stop():
-                preempted = step + 1
-                break
     finally:
         if bar is not None:
             bar.close()
-    done = preempted or args.steps
+    done = args.steps if preempted is None else preempted
     if args.checkpoint_dir is not None and saved_step != done:
         save(done)
     comm.Barrier()
     seconds = time.perf_counter() - start
     if preempted is not None:
         if show:
-            print(f"stopped by a signal: saved step {preempted} in {args.checkpoint_dir}",
-                  flush=True)
-        if stop.requeue() and show:
-            print("asked Slurm to requeue the job")
+            print(f"asked to stop: step {preempted} saved in {args.checkpoint_dir}; exiting "
+                  f"with status {REQUEUE_STATUS} (requeue me)", flush=True)
         return {"preempted_at": preempted, "losses": losses, "steps": args.steps}
 
     # Validation: one-step prediction against the solver, and doing nothing as a baseline.
@@ -558,7 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("out/burgers"))
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="save checkpoints here (and on SIGUSR1/SIGTERM, then exit 0)")
+                   help="save checkpoints here (and when asked to stop: SIGUSR1, SIGTERM or "
+                   "$PYMPAR_STOP_FILE; then exit 75)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save every N steps (0: only at the end or on a signal)")
     p.add_argument("--resume", action="store_true",
@@ -567,7 +572,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    """Run the example; returns the exit status (2 for flags that do not fit)."""
+    """Run the example; returns the exit status (2 for flags that do not fit, 75 when it
+    stopped early and saved: :data:`pympar.preemption.REQUEUE_STATUS`)."""
     comm = MPI.COMM_WORLD
     args = parse_args(argv)
     try:
@@ -577,12 +583,14 @@ def main(argv=None) -> int:
         pass
     try:
         metrics = train(args, comm)
-    except ValueError as err:
+    except (ValueError, LauncherMismatchError) as err:
         return report_error("burgers.py", str(err))
-    if comm.Get_rank() == 0 and "preempted_at" not in metrics:
+    if "preempted_at" in metrics:
+        return REQUEUE_STATUS
+    if comm.Get_rank() == 0:
         write_outputs(metrics, args.out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finalize_and_exit(main())  # MPI finalized first: the status (75: requeue me) reaches srun

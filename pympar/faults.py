@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -75,6 +76,14 @@ def _abort() -> None:
 
 def _excepthook(kind: type[BaseException], value: BaseException,
                 tb: TracebackType | None) -> None:
+    from .pmi import LauncherMismatchError, first_task
+
+    if isinstance(value, LauncherMismatchError):
+        # Each task is a world of its own: one line from task 0, and every task fails.
+        if first_task():
+            sys.stderr.write(f"pympar: error: {value}\n")
+        sys.stderr.flush()
+        os._exit(1)
     traceback.print_exception(kind, value, tb)
     _report(kind, value, "")
     _abort()
@@ -166,7 +175,14 @@ def start(comm: MPI.Comm) -> None:
     pympar.debug.CollectiveMismatchError
         On every rank, when other ranks make another agreed call meanwhile (a
         :class:`~pympar.mesh.Mesh`, say) instead of ``initialize_parallel``.
+    pympar.pmi.LauncherMismatchError
+        On every task, when Slurm started several tasks but MPI sees a world of one
+        rank (the wrong ``srun --mpi`` plugin); uncaught, it is printed once (task 0)
+        and every task exits 1.
     """
+    from .pmi import check_launcher
+
     _install_hooks()
+    check_launcher(comm)  # before any collective: the wrong srun --mpi plugin, said once
     check_same(comm, "initialize_parallel", "")
     _install_exit(comm)

@@ -4,7 +4,8 @@ Every rank of an MPI program parses the same command line and reaches the same e
 without care each message is printed once per rank, interleaved; and under
 ``python -m mpi4py`` a non-zero exit aborts the job, whose last output the launcher often
 drops. :class:`RankZeroParser` and :func:`report_error` print once, from rank 0, flush, and
-let no rank leave before the message is out.
+let no rank leave before the message is out. (Started by ``srun`` with the wrong PMI plugin,
+every task is rank 0 of a world of its own: task 0 alone prints, see :mod:`pympar.pmi`.)
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import IO, NoReturn
 from mpi4py import MPI
 
 from .faults import ABORT_DELAY
+from .pmi import first_task
 
-__all__ = ["LAUNCHER_VARIABLES", "launcher_hint", "report_error", "RankZeroParser"]
+__all__ = ["LAUNCHER_VARIABLES", "launcher_hint", "report_error", "finalize_and_exit",
+           "RankZeroParser"]
 
 #: Environment variables that MPI launchers (MPICH's Hydra, Open MPI, PMIx, Slurm) set.
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -60,10 +63,33 @@ def report_error(prog: str, message: str, status: int = 2) -> int:
     Call it on every rank alike (errors that every rank raises, e.g. a layout that does not
     fit). Returns ``status``, for ``return report_error(...)`` from ``main``.
     """
-    if MPI.COMM_WORLD.Get_rank() == 0:
+    if first_task():
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     _leave_together(status)
     return status
+
+
+def finalize_and_exit(status: int) -> NoReturn:
+    """Wait for every rank, finalize MPI, then exit with ``status``; collective.
+
+    The end of a program that every rank reaches alike (``sys.exit(main())``): finalized
+    first, the exit status reaches the launcher as it is. Under ``python -m mpi4py`` a
+    non-zero exit with MPI still up becomes ``MPI_Abort``, which ends the job with another
+    status, prints one abort line per rank and may cut the ranks' last output; the batch
+    script of ``examples/slurm`` requeues on status 75 alone
+    (:data:`pympar.preemption.REQUEUE_STATUS`).
+
+    Parameters
+    ----------
+    status : int
+        The exit status of every rank.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Barrier()
+        MPI.Finalize()
+    sys.exit(status)
 
 
 class RankZeroParser(argparse.ArgumentParser):
@@ -83,7 +109,7 @@ class RankZeroParser(argparse.ArgumentParser):
         self.command = command
 
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
-        if MPI.COMM_WORLD.Get_rank() == 0 and message:
+        if first_task() and message:
             super()._print_message(message, file)
             (file or sys.stderr).flush()
 

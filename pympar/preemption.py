@@ -1,41 +1,53 @@
-"""Ending a job well: notice a signal or a time budget, agree across ranks, save, exit 0.
+"""Ending a job early and well: notice a stop request, agree across ranks, save, exit 75.
 
-Batch systems announce the end of a job with a signal (Slurm: ``--signal=B:USR1@<lead>``
-forwarded by the batch script, or SIGTERM at the time limit). The signal reaches one rank,
-or some ranks, at any moment, possibly inside an MPI call. So the handler only sets a flag;
-the training loop calls :meth:`Preemption.should_stop` at step boundaries, which agrees across
-all ranks with one tiny all-reduce, so that every rank stops after the same step, saves a
-checkpoint and exits 0. Under Slurm, :meth:`Preemption.requeue` asks for the job to be
-requeued.
+Batch systems announce the end of a job with a signal (Slurm: ``--signal=USR1@<lead>`` to
+the job steps, ``--signal=B:USR1@<lead>`` to the batch script, SIGTERM at the time limit).
+A signal reaches one rank, or some ranks, at any moment, possibly inside an MPI call, so
+the handler only sets a flag. A signal sent before the program has installed its handler
+would be lost (or would kill the rank), so the batch script passes its own signal on as a
+*stop file* instead: it creates the file named by ``$PYMPAR_STOP_FILE``, which
+:class:`Preemption` looks for when it is created and at every step boundary.
+
+The training loop calls :meth:`Preemption.should_stop` at step boundaries; it agrees across
+all ranks with one tiny all-reduce, so every rank stops after the same step and saves a
+checkpoint. The program then ends with ``finalize_and_exit(REQUEUE_STATUS)``
+(:func:`pympar.launch.finalize_and_exit`): MPI is finalized on every rank and the process
+exits with :data:`REQUEUE_STATUS`. The batch script requeues the job
+exactly when the step ended with that status (``examples/slurm/requeue.sh``); a program
+that finished exits 0 and is not requeued. The program never requeues its own job: under
+Slurm that kills the job's steps at once, before MPI has finalized.
 
 Example
 -------
->>> stop = Preemption(comm)                           # doctest: +SKIP
->>> for step in range(start, steps):                  # doctest: +SKIP
-...     train_one_step()
-...     if stop.should_stop():
-...         checkpoint.save(f"ckpt/step_{step + 1}", model, optimizer, step=step + 1)
-...         stop.requeue()
-...         break
+>>> with Preemption(comm) as stop:                    # doctest: +SKIP
+...     for step in range(start, steps):
+...         if stop.should_stop():
+...             checkpoint.save(f"ckpt/step_{step}", model, optimizer, step=step)
+...             finalize_and_exit(REQUEUE_STATUS)     # MPI_Finalize, then exit 75
+...         train_one_step()
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import time
 from typing import Any, Iterable
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Preemption"]
+__all__ = ["Preemption", "REQUEUE_STATUS", "STOP_FILE_VARIABLE"]
+
+#: The exit status of a run that stopped early and wants to be requeued (``EX_TEMPFAIL``
+#: of ``sysexits.h``: "try again later"). ``examples/slurm/requeue.sh`` requeues on it alone.
+REQUEUE_STATUS = 75
+#: The environment variable naming the stop file: when that file exists, the run stops.
+STOP_FILE_VARIABLE = "PYMPAR_STOP_FILE"
 
 
 class Preemption:
-    """Flag set by a signal (or a wall-clock budget), checked collectively at step boundaries.
+    """Flag set by a signal, a stop file or a wall-clock budget; checked collectively.
 
     Parameters
     ----------
@@ -47,15 +59,23 @@ class Preemption:
     budget : float, optional
         Seconds after construction after which :meth:`should_stop` is true on its own
         (e.g. the job's time limit minus the measured save time).
+    stop_file : str, optional
+        A path whose existence asks the job to stop; ``$PYMPAR_STOP_FILE`` by default (none
+        when unset or empty). Rank 0 of ``comm`` alone looks for it, once here and at every
+        :meth:`should_stop`, so it must lie where rank 0 sees it (a shared file system).
 
     Attributes
     ----------
     received : int or None
         The last signal this rank received, or None.
+    stop_file : str or None
+        The stop file that rank 0 looks for (None on the other ranks).
+    requested_at_start : bool
+        Whether this rank found the stop file already there when it was created.
     """
 
     def __init__(self, comm: Any = None, signals: Iterable[Any] = ("SIGUSR1", "SIGTERM"),
-                 budget: float | None = None) -> None:
+                 budget: float | None = None, stop_file: str | None = None) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         self.comm = getattr(comm, "comm", comm)
         self.signals = [signal.Signals[s] if isinstance(s, str) else signal.Signals(s)
@@ -65,42 +85,34 @@ class Preemption:
         self.deadline = None if budget is None else time.monotonic() + float(budget)
         self.received: int | None = None
         self._flag = np.zeros(1, dtype=np.int32)
+        path = os.environ.get(STOP_FILE_VARIABLE, "") if stop_file is None else stop_file
+        self.stop_file = path if path and self.comm.Get_rank() == 0 else None
         self._previous = {sig: signal.signal(sig, self._handler) for sig in self.signals}
+        self.requested_at_start = self._stop_file_exists()
 
     def _handler(self, signum: int, frame: Any) -> None:
         # Only set the flag: the signal may arrive in the middle of a collective.
         self.received = signum
 
+    def _stop_file_exists(self) -> bool:
+        return self.stop_file is not None and os.path.exists(self.stop_file)
+
     def requested(self) -> bool:
-        """bool: Whether this rank alone has seen a signal or passed the budget (no MPI)."""
+        """bool: Whether this rank alone has seen a signal, the stop file or the end of the
+        budget (no MPI)."""
         late = self.deadline is not None and time.monotonic() >= self.deadline
-        return self.received is not None or late
+        return self.received is not None or late or self._stop_file_exists()
 
     def should_stop(self) -> bool:
-        """True on every rank when any rank was signalled or is past the budget; collective.
+        """True on every rank when any rank was asked to stop or is past the budget; collective.
 
-        Call it on every rank at the same point of every step (one 4-byte all-reduce).
+        Call it on every rank at the same point of every step (one 4-byte all-reduce),
+        best before the step's work: the first call then also catches a stop requested
+        before the program started.
         """
         self._flag[0] = self.requested()
         self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
         return bool(self._flag[0])
-
-    def requeue(self, root: int = 0) -> bool:
-        """Ask Slurm to requeue this job (``scontrol requeue $SLURM_JOB_ID``) from rank ``root``.
-
-        Does nothing outside Slurm or where ``scontrol`` is not installed. Not collective.
-
-        Returns
-        -------
-        bool
-            Whether this rank asked and ``scontrol`` succeeded.
-        """
-        job = os.environ.get("SLURM_JOB_ID")
-        scontrol = shutil.which("scontrol")
-        if self.comm.Get_rank() != root or not job or scontrol is None:
-            return False
-        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)
-        return done.returncode == 0
 
     def close(self) -> None:
         """Restore the signal handlers that were installed before."""
@@ -113,3 +125,4 @@ class Preemption:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from mpi_helpers import WORLD, agree
 from pympar import checkpoint
+from pympar.preemption import REQUEUE_STATUS
 from test_examples import TINY, load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,7 +176,8 @@ RANK_VARIABLES = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=")
 
 
 @own_job
-def test_sigusr1_to_one_rank_saves_and_exits_0(tmp_path):
+def test_sigusr1_to_one_rank_saves_and_exits_75(tmp_path):
+    """Every rank saves the same step, MPI finalizes, the job exits 75 (requeue me)."""
     ckpt = tmp_path / "ckpt"
     flags = SMALL + ["--cp", "2", "--tp", "1", "--checkpoint-dir", str(ckpt),
                      "--out", str(tmp_path / "out")]
@@ -190,7 +192,8 @@ def test_sigusr1_to_one_rank_saves_and_exits_0(tmp_path):
     sent = time.monotonic()
     out, _ = proc.communicate(timeout=60)
     elapsed = time.monotonic() - sent
-    assert proc.returncode == 0 and elapsed < 10, (proc.returncode, elapsed, out[-2000:])
+    assert proc.returncode == REQUEUE_STATUS and elapsed < 10, (proc.returncode, elapsed,
+                                                                out[-2000:])
     manifest = json.loads((Path(checkpoint.latest(ckpt)) / "manifest.json").read_text())
     step = manifest["step"]
     assert 20 <= step < 100000 and len(manifest["extra"]["losses"]) == step

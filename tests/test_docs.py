@@ -48,6 +48,7 @@ API_PAGES = {
     "memory": "memory_report",
     "checkpoint": "latest",
     "preemption": "Preemption",
+    "pmi": "check_launcher",
 }
 
 
@@ -191,7 +192,8 @@ def test_cluster_scripts_parse_and_mark_every_site_line():
         for line in text.splitlines():
             # Site-specific lines (accounts, partitions, modules, paths) must say so.
             if line.startswith(("#SBATCH --account", "#SBATCH --partition", "module load",
-                                "source ")):
+                                "source ", "#SBATCH --time", "#SBATCH --signal", "#SBATCH --nodes",
+                                "SRUN_MPI=", "CKPT_DIR=", "PROGRAM=", "LAYOUT=")):
                 assert "# EDIT:" in line, f"{name}: {line!r} lacks an EDIT: mark"
 
 
@@ -208,12 +210,15 @@ def test_batch_scripts_checkpoint_requeue_and_resume(name):
 
 
 FAKE_SRUN = """#!/bin/bash
-# Fake srun: records its arguments; the training step waits for SIGUSR1, "saves", exits 0.
+# Fake srun: records its arguments; the training step waits for the stop file, "saves" and
+# exits 75, as pympar.preemption's programs do.
 echo "$*" >> "$FAKE_LOG"
 if [[ "$*" == *--checkpoint-dir* ]]; then
-  trap 'echo "saved on SIGUSR1" >> "$FAKE_LOG"; exit 0' USR1
   touch "$FAKE_LOG.started"
-  for i in $(seq 600); do sleep 0.1; done
+  for i in $(seq 600); do
+    if [[ -e $PYMPAR_STOP_FILE ]]; then echo "saved on the stop file" >> "$FAKE_LOG"; exit 75; fi
+    sleep 0.1
+  done
   exit 7
 fi
 """
@@ -223,8 +228,9 @@ fi
                     reason="runs the batch script once, under bash, with a fake srun "
                            "(in the single-rank run of the suite)")
 @pytest.mark.parametrize("name", ["cpu.sbatch", "gpu.sbatch"])
-def test_batch_script_forwards_the_signal_and_requeues(tmp_path, name):
-    """The batch shell gets SIGUSR1 (--signal=B:); the step saves and exits 0; requeue."""
+def test_batch_script_passes_the_signal_on_and_requeues(tmp_path, name):
+    """The batch shell gets SIGUSR1 (--signal=B:); the step sees the stop file, saves and
+    exits 75; the script requeues the job."""
     import signal
     import time
 
@@ -253,10 +259,12 @@ def test_batch_script_forwards_the_signal_and_requeues(tmp_path, name):
     output, _ = job.communicate(timeout=30)
     calls = log.read_text().splitlines()
     assert job.returncode == 0, (output, calls)
-    assert "saved on SIGUSR1" in calls and calls[-1] == "scontrol requeue 4242", (output, calls)
+    assert "saved on the stop file" in calls and calls[-1] == "scontrol requeue 4242", \
+        (output, calls)
     training = [c for c in calls if "--checkpoint-dir" in c]
     assert len(training) == 1 and "--resume" in training[0], calls
-    assert "forwarding it to the job step" in output, output
+    assert "asking the program to stop" in output and "requeueing job 4242" in output, output
+    assert not (submit / ".pympar-stop-4242").exists(), "the stop file outlived the step"
 
 
 def test_gpu_check_runs_on_numpy_arrays():

@@ -1,15 +1,14 @@
-"""pympar.preemption: a signal on one rank stops every rank at the same step boundary."""
+"""pympar.preemption: a signal on one rank, or the stop file, stops every rank at one step."""
 
 from __future__ import annotations
 
 import os
 import signal
-import stat
 
 import pytest
 
 from mpi_helpers import WORLD, agree
-from pympar.preemption import Preemption
+from pympar.preemption import REQUEUE_STATUS, STOP_FILE_VARIABLE, Preemption
 
 
 @pytest.mark.mpi(min_size=1)
@@ -39,18 +38,34 @@ def test_sigterm_and_budget():
         Preemption(WORLD, budget=-1)
 
 
-def test_requeue_only_under_slurm_with_scontrol(tmp_path, monkeypatch):
-    log = tmp_path / "calls"
-    fake = tmp_path / "scontrol"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+@pytest.mark.mpi(min_size=1)
+def test_stop_file_stops_every_rank_at_start_and_later(tmp_path, monkeypatch):
+    """Rank 0 looks for $PYMPAR_STOP_FILE when Preemption starts and at every boundary."""
+    path = os.path.join(str(tmp_path), "stop")  # rank 0's path is the one that counts
+    path = WORLD.bcast(path, root=0)
+    monkeypatch.setenv(STOP_FILE_VARIABLE, path)
     with Preemption(WORLD) as stop:
-        outside = stop.requeue()
-        monkeypatch.setenv("SLURM_JOB_ID", "4242")
-        inside = stop.requeue()
-    want = WORLD.rank == 0
-    calls = log.read_text().split("\n") if log.exists() else []
-    agree(not outside and inside == want and calls[:1] == (["requeue 4242"] if want else []),
-          f"outside {outside}, inside {inside}, calls {calls}")
+        quiet = stop.should_stop()
+        if WORLD.rank == 0:
+            open(path, "w").close()
+        later = stop.should_stop()
+        watching = stop.stop_file == (path if WORLD.rank == 0 else None)
+    with Preemption(WORLD) as stop:   # the file was there before: a request made early
+        early = stop.requested_at_start == (WORLD.rank == 0) and stop.should_stop()
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        os.remove(path)
+    WORLD.Barrier()
+    with Preemption(WORLD, stop_file="") as stop:  # "" (or no variable): no stop file
+        none = stop.stop_file is None and not stop.should_stop()
+    agree(not quiet and later and watching and early and none,
+          f"quiet {quiet}, later {later}, watching {watching}, early {early}, none {none}")
+
+
+def test_requeue_status_is_the_scripts():
+    """The program and the batch script agree on the status that asks for a requeue."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "requeue.sh"
+    assert f"PYMPAR_REQUEUE_STATUS={REQUEUE_STATUS}" in script.read_text(encoding="utf-8")
+    assert STOP_FILE_VARIABLE == "PYMPAR_STOP_FILE"

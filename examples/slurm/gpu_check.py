@@ -7,7 +7,9 @@
 Every rank all-reduces an array of ``rank + 1`` over all ranks with
 ``pympar.mappings.reduce_from_all``, checks the sum, and times a few repeats.
 Rank 0 prints one line per rank (host, GPU, PCI bus id) and the bus bandwidth,
-and the job exits non-zero when a sum is wrong or two ranks of a node share a GPU.
+and every rank exits 1 (MPI finalized first, so the status and the message get
+out whole) when a sum is wrong, two ranks of a node share a GPU, or CuPy is
+missing; the reason is one line from rank 0.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ import numpy as np
 from mpi4py import MPI
 
 from pympar import backend, manager, mappings
+from pympar.launch import finalize_and_exit, report_error
+
+
+def pci_bus_id(xp, device: int) -> str:
+    """``domain:bus:device`` of a CUDA device, as ``nvidia-smi`` prints it: the same GPU
+    has the same id whatever ``CUDA_VISIBLE_DEVICES`` numbers it (under ``--gpu-bind``
+    every rank may call its GPU 0)."""
+    props = xp.cuda.runtime.getDeviceProperties(device)
+    return f"{props['pciDomainID']:04x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         xp, device = np, ("cpu", "-")
     else:
-        import cupy as xp
-
+        try:
+            import cupy as xp
+        except ImportError as err:
+            return report_error("gpu_check.py", f"CuPy is not installed here ({err}); install "
+                                "pympar with pip install -e '.[cuda]', or pass --cpu", status=1)
         dev = xp.cuda.Device()
-        device = (str(dev.id), getattr(dev, "pci_bus_id", "?"))
+        device = (str(dev.id), pci_bus_id(xp, dev.id))
 
     manager.initialize_parallel(tensor_parallel_size=size)   # one group of every rank
     try:
@@ -71,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r:4d}  {host}  {gpu}  {bus}  {good}")
         shared = {}
         for r, host, gpu, bus, _ in rows:
-            shared.setdefault((host, bus if bus not in ("?", "-") else gpu), []).append(r)
-        clashes = [ranks for (host, gpu), ranks in shared.items() if len(ranks) > 1 and gpu != "cpu"]
+            if gpu != "cpu":
+                shared.setdefault((host, bus), []).append(r)
+        clashes = [ranks for ranks in shared.values() if len(ranks) > 1]
         # Bus bandwidth: what each rank sends in a bandwidth-optimal all-reduce, per second.
         bus = (f", bus bandwidth {2 * (size - 1) / size * n * 4 / seconds / 1e9:.2f} GB/s"
                if size > 1 else "")
@@ -88,4 +103,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finalize_and_exit(main())

@@ -11,6 +11,9 @@ libraries want that); otherwise it comes from MPI itself, by splitting
 ``local_rank % visible GPUs``, made current with CuPy for the program that
 follows. All GPUs of the node stay visible, so CUDA-aware transports can copy
 between them directly.
+
+Without CuPy, or where CUDA sees no GPU, it prints one line (from the job's
+first task) and every task exits 1, before MPI has started.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import NoReturn
 
 #: Node-local rank variables, most specific launcher first. SLURM_LOCALID comes
 #: last: an mpirun started inside an sbatch script inherits the batch step's
@@ -29,6 +33,16 @@ LOCAL_RANK_VARIABLES = (
     "PALS_LOCAL_RANKID",           # HPE Cray PALS (mpiexec on PBS systems)
     "SLURM_LOCALID",               # srun
 )
+#: Global rank variables of the launchers: which task prints a refusal (MPI is not up yet).
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``select_gpu.py: error: message`` from the job's first task; exit 1 on every task."""
+    rank = next((os.environ[v].strip() for v in RANK_VARIABLES if v in os.environ), "0")
+    if rank in ("", "0"):
+        print(f"select_gpu.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def local_rank() -> tuple[int, str]:
@@ -46,12 +60,23 @@ def local_rank() -> tuple[int, str]:
 
 
 def select_gpu() -> int:
-    """Make GPU ``local_rank % device_count`` current for CuPy; return its index."""
-    import cupy
+    """Make GPU ``local_rank % device_count`` current for CuPy; return its index.
 
-    count = cupy.cuda.runtime.getDeviceCount()
+    Refuses (:func:`refuse`) without CuPy or without a GPU.
+    """
+    try:
+        import cupy
+    except ImportError as err:
+        refuse(f"CuPy is not installed here ({err}); on GPU nodes install pympar with "
+               f"pip install -e '.[cuda]' (CuPy for CUDA 12)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # CUDARuntimeError: no driver, no device
+        refuse(f"CUDA finds no GPU on {os.uname().nodename} ({err}); ask Slurm for GPUs "
+               f"(--gpus-per-node) and run on a GPU node")
     if count < 1:
-        raise RuntimeError("select_gpu.py: CuPy sees no GPU on this node")
+        refuse(f"CuPy sees no GPU on {os.uname().nodename}; ask Slurm for GPUs "
+               f"(--gpus-per-node)")
     rank, source = local_rank()
     device = rank % count
     cupy.cuda.Device(device).use()
