@@ -220,12 +220,13 @@ def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
 
 
 def _learn_sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str, key: tuple,
-                 claim: int = 0) -> tuple[tuple[int, ...], bool]:
+                 claim: int = 0, label: str | None = None) -> tuple[tuple[int, ...], bool]:
     """Every rank's extent along ``axis``, and whether the call's check was made for it.
 
     Given ``sizes``, they are checked against this rank's extent. Else every rank's
     extent (and each rank's ``claim``, see :func:`pympar._transfer.claim`) is learned
-    after the check of ``key``, the call with this axis's extent masked.
+    after the check of ``key``, the call with this axis's extent masked, under ``label``
+    (the call's own, within the enclosing block's) as the ordinary check compares it.
     """
     extent = x.shape[axis]
     if sizes is not None:
@@ -240,7 +241,7 @@ def _learn_sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str, 
         return (extent,), True
     if group.comm == MPI.COMM_NULL:
         _new_plan(group, x, what, (), (), what)  # raises: the group is freed
-    name = _agreement.within(None)
+    name = _agreement.within(label)
     shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={axis}, sizes unknown)"
     sig = zlib.crc32(repr(((what, _movable(x, what).str, *key), name)).encode()) | 1
     return _agreement.extents(group, sig, shown, name, extent, claim), True
@@ -276,7 +277,7 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
             masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
             claim = 0 if sizes is not None else out_claim(x, out, ax, masked, "all_gather")
             sizes, checked = _learn_sizes(group, x, ax, sizes, "all_gather", (masked, ax),
-                                          claim)
+                                          claim, label)
         key = ("all_gather", x.shape, x.dtype, axis, sizes)
         plan = group._state.plans.get(key)
         if plan is None:
@@ -400,7 +401,7 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
                 mine[split] = balanced_sizes(x.shape[split], group.size)[group.rank]
                 claim = out_claim(x, out, cat, tuple(mine), "all_to_all")
             sizes, checked = _learn_sizes(group, x, cat, sizes, "all_to_all",
-                                          (masked, split, cat), claim)
+                                          (masked, split, cat), claim, label)
         key = ("all_to_all", x.shape, x.dtype, split_axis, concat_axis, sizes)
         plan = group._state.plans.get(key)
         if plan is None:

@@ -217,26 +217,35 @@ def test_out_overlapping_the_input_is_refused_on_cupy(cp):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_timeout_stages_device_buffers(cp):
-    """Under a timeout MPI gets non-blocking collectives, which CUDA-aware MPIs do not promise
-    for device memory: device buffers are staged, and the results are the same."""
+def test_timeout_never_hands_device_buffers_to_non_blocking_calls(cp, monkeypatch):
+    """Under a timeout host buffers go to MPI's non-blocking twins, polled, which CUDA-aware
+    MPIs do not promise for device memory: device buffers take the blocking call after the
+    timed agreement check. The results are the same either way."""
     if not is_stand_in():
         pytest.skip("counts what reaches MPI through the stand-in")
+    from pympar import _transfer
+
     exports = sys.modules["cupy"].cuda
+    polled = []
+    real_wait = _transfer.wait
+    monkeypatch.setattr(_transfer, "wait", lambda *a, **k: polled.append(a) or real_wait(*a, **k))
     group = world_group()
     x = cp.asarray(np.arange(6.0).reshape(2, 3) + WORLD.rank)
     expected = sum(np.arange(6.0).reshape(2, 3) + r for r in range(WORLD.size))
+    aware = backend.cuda_aware()
     for timeout in (None, 60.0):
         before = exports.mpi_exports
+        polled.clear()
         with debug.debug_mode(False, timeout=timeout):
             assert_equal(group.all_reduce(x), expected, what=f"all_reduce, timeout {timeout}")
             gathered = group.all_gather(x, axis=1)
         assert_equal(gathered, np.concatenate([to_numpy(x) - WORLD.rank + r
                                                for r in range(WORLD.size)], 1), what="gather")
         device = exports.mpi_exports > before
-        aware = backend.cuda_aware()
-        agree(device == (aware and timeout is None),
-              f"timeout {timeout}, aware {aware}: device memory reached MPI: {device}")
+        # Staged buffers are host memory: polled under a timeout. Device memory: never.
+        agree(device == aware and bool(polled) == (timeout is not None and not aware),
+              f"timeout {timeout}, aware {aware}: device memory reached MPI: {device}, "
+              f"polled data calls: {len(polled)}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -244,6 +253,8 @@ def test_staging_buffers_are_released(cp, clean_state):
     """The pinned staging pool is handed back when the parallel state is destroyed."""
     if not is_stand_in():
         pytest.skip("counts pinned bytes through the stand-in")
+    if backend.cuda_aware():
+        pytest.skip("CUDA-aware: device buffers go to MPI directly, nothing is staged")
     import cupyx
 
     manager.initialize_parallel(WORLD.size)
@@ -251,8 +262,7 @@ def test_staging_buffers_are_released(cp, clean_state):
     pool = sys.modules["cupy"].get_default_pinned_memory_pool()
     freed = pool.freed_all
     big = cp.asarray(rng_array(1, (64, 1024), np.float32))
-    with debug.debug_mode(False, timeout=60.0):  # staged in both modes
-        group.all_reduce(big)
+    group.all_reduce(big)
     agree(cupyx.live_bytes >= big.nbytes, f"pinned bytes {cupyx.live_bytes}")
     manager.destroy_parallel()
     gc.collect()
