@@ -9,15 +9,12 @@ field ends.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import backend
-
-if TYPE_CHECKING:  # halo.py imports this module
-    from .halo import HaloExchange
 
 __all__ = ["UP", "DOWN", "Axis", "Plan", "widths"]
 
@@ -79,7 +76,7 @@ def _count(region: Index, shape: tuple[int, ...]) -> int:
 class Plan:
     """Everything one array shape and dtype needs: regions, MPI datatypes, buffers, key."""
 
-    def __init__(self, halo: HaloExchange, shape: tuple[int, ...], x: Any) -> None:
+    def __init__(self, halo: Any, shape: tuple[int, ...], x: Any) -> None:
         d = halo.decomposition
         lead = len(shape) - d.ndim
         self.shape, self.dtype = shape, x.dtype
