@@ -302,7 +302,7 @@ def release_staging() -> None:
         cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def to_wire(send: Any, recv: Any, staged: bool = False) -> tuple[Any, Any]:
+def to_wire(send: Any, recv: Any) -> tuple[Any, Any]:
     """Device buffers as MPI should see them: themselves, or pinned host copies.
 
     Parameters
@@ -311,9 +311,6 @@ def to_wire(send: Any, recv: Any, staged: bool = False) -> tuple[Any, Any]:
         The send buffer; for ``IN_PLACE`` or None (a broadcast), ``recv`` holds the input.
     recv : cupy.ndarray
         The receive buffer.
-    staged : bool
-        Stage even with a CUDA-aware MPI: for a non-blocking collective, which CUDA-aware
-        MPIs do not promise to take device memory (Open MPI's do not).
 
     Returns
     -------
@@ -321,7 +318,7 @@ def to_wire(send: Any, recv: Any, staged: bool = False) -> tuple[Any, Any]:
         ``(send, recv)`` to hand to MPI; pass the second to :func:`from_wire` afterwards.
     """
     synchronize(recv)  # kernels writing either buffer ran on this stream
-    if not staged and cuda_aware():
+    if cuda_aware():
         return send, recv
     host_recv, host_send = staging_buffer(1, recv), send
     if send is None or send is MPI.IN_PLACE:
