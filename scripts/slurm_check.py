@@ -50,9 +50,10 @@ MODEL = ["--batch", "8", "--grid", "16", "--hidden", "8", "--heads", "2", "--lay
          "--trajectories", "4", "--frames", "3", "--dtype", "float64", "--seed", "3"]
 #: Seconds of training (at the speed of 4 ranks alone) the jobs must take: more than the
 #: two windows between the start of a run and Slurm's signal (--time=2,
-#: --signal=B:USR1@80: the signal comes 10 to 40 s after the start), the more so as the
-#: jobs and the reference share the machine.
-TRAINING_SECONDS = 60.0
+#: --signal=B:USR1@60: the signal comes 30 to 60 s after the start, after the start-up of
+#: the training step, 60 s before the limit), the more so as the jobs and the reference
+#: share the machine.
+TRAINING_SECONDS = 80.0
 BAD_STATES = ("TIMEOUT", "CANCELLED", "FAILED", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
               "BOOT_FAIL", "DEADLINE")
 DONE_STATES = ("COMPLETED",) + BAD_STATES
@@ -378,7 +379,7 @@ def main() -> int:
         steps = int(min(max(TRAINING_SECONDS / step, 400), 40000))
         say(f"{step * 1e3:.1f} ms per step on {RANKS} ranks: the jobs train {steps} steps")
 
-        timed = Job("time-limit", cpu_script("time-limit", 2, 80, steps))
+        timed = Job("time-limit", cpu_script("time-limit", 2, 60, steps))
         manual = Job("manual", cpu_script("manual", 30, 10, steps))
         gpu = Job("gpu", gpu_script())
         jobs = [timed, manual, gpu]
