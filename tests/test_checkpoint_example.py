@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from checkpoint_helpers import differing_tensors
 from mpi_helpers import WORLD, agree
 from pympar import checkpoint
 from pympar.preemption import REQUEUE_STATUS
@@ -56,10 +57,7 @@ def test_resume_same_layout_is_bitwise(shared_dir, resume_flags):
     resumed = run(burgers, flags + resume_flags + ["--checkpoint-dir",
                                                    os.path.join(shared_dir, "b"), "--resume"])
     a, b = (os.path.join(shared_dir, x, "step_00000006") for x in "ab")
-    manifest = json.load(open(os.path.join(a, "manifest.json")))
-    differ = [name for name, e in manifest["tensors"].items()
-              if np.load(os.path.join(a, e["file"])).tobytes()
-              != np.load(os.path.join(b, e["file"])).tobytes()]
+    differ = differing_tensors(a, b)
     agree(resumed["losses"] == straight["losses"] and not differ
           and resumed["val_rel_l2"] == straight["val_rel_l2"],
           f"losses {resumed['losses']} vs {straight['losses']}; differ {differ}")

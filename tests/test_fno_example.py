@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from checkpoint_helpers import differing_tensors
 from mpi_helpers import WORLD, agree
 from test_examples import load
 
@@ -56,10 +56,7 @@ def test_fno_resume_same_layout_is_bitwise_and_other_layouts_follow(shared_dir):
     WORLD.Barrier()
     resumed = run(fno, flags + ["--checkpoint-dir", os.path.join(shared_dir, "b"), "--resume"])
     a, b = (os.path.join(shared_dir, x, "step_00000006") for x in "ab")
-    manifest = json.load(open(os.path.join(a, "manifest.json")))
-    differ = [name for name, e in manifest["tensors"].items()
-              if np.load(os.path.join(a, e["file"])).tobytes()
-              != np.load(os.path.join(b, e["file"])).tobytes()]
+    differ = differing_tensors(a, b)
     agree(resumed["losses"] == straight["losses"] and not differ
           and resumed["val_rel_l2"] == straight["val_rel_l2"],
           f"losses {resumed['losses']} vs {straight['losses']}; differ {differ}")
