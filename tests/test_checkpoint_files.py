@@ -128,3 +128,27 @@ def test_chunks_from_pieces_in_any_order():
             counts[j] = counts.get(j, 0) + 1
             assert digest == xxhash.xxh3_64_intdigest(data[j * CHUNK:(j + 1) * CHUNK])
     assert counts == {j: 1 for j in range(-(-len(data) // CHUNK))}
+
+
+@pytest.mark.parametrize("value", [
+    ["0123456789abcdef"],  # one digest short
+    ["0123456789abcde", "f0123456789abcdef"],  # the right total length, entries of 15 and 17
+    ["0123456789abcdef", 5],  # not a string
+    ["0123456789abcdef", b"0123456789abcdef"],  # bytes, not a string
+    "0123456789abcdef0123456789abcdef",  # a string, not a list
+    ["0123456789ABCDEF", "0123456789abcdef"],  # upper case
+    ["0123456789abcde ", "0123456789abcdef"],  # a space
+])
+def test_manifest_digests_are_refused_unless_count_lowercase_hex_strings(value):
+    from pympar.checkpoint.format import CheckpointError, _parse_digests
+
+    with pytest.raises(CheckpointError, match="'t': 'xxh3_64'"):
+        _parse_digests(value, 2, "t")
+
+
+def test_manifest_digests_parse_as_big_endian_hex():
+    from pympar.checkpoint.format import _parse_digests
+
+    got = _parse_digests(["0123456789abcdef", "00000000000000ff"], 2, "t")
+    assert got.dtype == np.uint64 and got.tolist() == [0x0123456789ABCDEF, 255]
+    assert _parse_digests([], 0, "t").size == 0

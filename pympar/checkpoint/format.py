@@ -45,7 +45,7 @@ MANIFEST = "manifest.json"
 CHUNK_BYTES = 256 * 1024
 #: The largest ``chunk_bytes`` a manifest may declare (a chunk's tail is read in one piece).
 _CHUNK_LIMIT = 64 * 2**20
-_HEX16 = re.compile(r"(?:[0-9a-f]{16})*")
+_HEX = re.compile(r"[0-9a-f]*")
 _ENTRY_KEYS = {1: {"file", "shape", "dtype", "checksum"},
                2: {"file", "shape", "dtype", "chunk_bytes", "xxh3_64"}}
 
@@ -107,12 +107,15 @@ def hex_digests(digests: np.ndarray) -> list[str]:
 
 def _parse_digests(value: Any, count: int, what: str) -> np.ndarray:
     """A manifest's digest list as uint64, refused unless ``count`` 16-digit hex strings."""
-    if not isinstance(value, list) or len(value) != count or not all(
-            isinstance(v, str) and len(v) == 16 for v in value):
+    try:  # join, map and one flat match run in C: a GiB of data has 4096 digests
+        text = "".join(value) if isinstance(value, list) and len(value) == count else None
+        lengths = set(map(len, value)) if text is not None else None
+    except TypeError:  # an entry that is not a string
+        text = None
+    if text is None or lengths - {16}:
         raise CheckpointError(f"tensor {what!r}: 'xxh3_64' must be a list of {count} 16-digit "
                               "hex strings (one per chunk)")
-    text = "".join(value)
-    if not _HEX16.fullmatch(text):
+    if not _HEX.fullmatch(text):  # every entry is 16 characters long (checked above)
         raise CheckpointError(f"tensor {what!r}: 'xxh3_64' holds a value that is not lowercase "
                               "hex")
     return np.frombuffer(bytes.fromhex(text), dtype=">u8").astype(np.uint64)
