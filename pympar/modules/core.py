@@ -172,12 +172,13 @@ class Module:
             sig = _SIGNATURES[key] = zlib.crc32(repr(key).encode()) | 1
         if not learn or refused is not None:
             if not board.agree(sig, group, name, debug._timeout):
-                debug.report(group, _described(x, key, refused))
+                debug.report(group, _described(self, x, key, refused), _must_hold(x, split))
             if refused is not None:  # every rank refused alike: each raises its own error
                 raise refused
             return block
-        return Label(block.name, _agreement.extents(group, sig, _described(x, key, None), None,
-                                                    x.shape[sizes_of]))
+        return Label(block.name, _agreement.extents(
+            group, sig, _described(self, x, key, None).replace(debug._DETAIL, " with "), None,
+            x.shape[sizes_of]))
 
     # -- forward / backward ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -371,16 +372,29 @@ class Module:
         return "\n".join(lines) + "\n)"
 
 
-def _described(x: Any, key: tuple, refused: Exception | None) -> str:
-    """A layer's call in words (``key`` is what its agreement compares), for the report."""
+def _described(layer: Module, x: Any, key: tuple, refused: Exception | None) -> str:
+    """A layer's call in words for the report (``key`` is what its agreement compares): the
+    label, then (after ``debug._DETAIL``) this rank's input, once each."""
     name, dtype, shape, extra = key[:4]
-    extra = "".join(f", {e}" for e in extra)
+    detail = (f"input {tuple(x.shape)} {x.dtype}" if shape is not None
+              else f"input {dtype}")
+    detail += "".join(f", {e}" for e in extra)
     if refused is not None:
-        extra += f", refused by this rank: {refused}"
-    if shape is None:
-        return f"{name} with input {dtype}{extra}"
-    return (f"{name} with input of shape {tuple(x.shape)} (compared: {shape}, -1 split) and "
-            f"dtype {x.dtype}{extra}")
+        # The layer's own message starts with the layer, which the report already names.
+        text = str(refused).removeprefix(f"{layer!r}: ")
+        detail += f", refused by this rank: {text}"
+    return f"{name}{debug._DETAIL}{detail}"
+
+
+def _must_hold(x: Any, split: tuple[int, ...]) -> str:
+    """What the ranks of a layer's group must pass alike, in words."""
+    ndim = getattr(x, "ndim", 0)
+    axes = sorted({a % ndim for a in split if -ndim <= a < ndim}) if ndim else []
+    if not axes:
+        return "every rank must pass an input of the same shape and dtype"
+    shown = ", ".join(str(a) for a in axes)
+    return (f"every rank must pass an input of the same dtype and extents, except along "
+            f"axis {shown} (split over the group)")
 
 
 def _copy_into(dst: Any, src: Any) -> None:
