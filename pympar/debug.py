@@ -141,6 +141,8 @@ def _call_site() -> str:
 # (``"Layer.forward" + _DETAIL + "input (32, 16) float32"``): when every rank's subject is
 # the same the report names it once and lists only the details.
 _DETAIL = "\x1f"
+# What a refusing rank's call says (pympar._agreement.refuse, Module.agreement).
+_REFUSED = "refused by this rank"
 
 
 def _ranks_in_words(group: Any, ranks: list[int]) -> str:
@@ -191,12 +193,14 @@ def report(group: Any, shown: str, hint: str = "") -> None:
         for call, ranks in shown_calls)
     if len(ranks_of) > _SHOWN_RANKS:
         listing += f"; ... ({len(ranks_of) - _SHOWN_RANKS} more distinct calls)"
+    if any(_REFUSED in call for call in ranks_of):
+        hint = "every rank raises: fix the input that a rank refused"
     if same:
         must = hint or "every rank must pass the same"
         message = (f"ranks of group {group.name!r} disagree on {subjects.pop()}: {listing}; "
                    f"{must}")
     else:
-        message = (f"ranks of group {group.name!r} disagree on a collective: {listing}; every "
-                   f"rank of the group must make the same call (operation, dtype, extents, "
-                   f"label) in the same order")
+        must = hint or ("every rank of the group must make the same call (operation, dtype, "
+                        "extents, label) in the same order")
+        message = f"ranks of group {group.name!r} disagree on a collective: {listing}; {must}"
     raise CollectiveMismatchError(message)

@@ -22,6 +22,7 @@ import numpy
 from .. import _agreement, backend, debug
 from .._agreement import Label
 from .parameter import Parameter
+from .validation import layer_name
 
 __all__ = ["Module", "Sequential"]
 
@@ -381,7 +382,7 @@ def _described(layer: Module, x: Any, key: tuple, refused: Exception | None) -> 
     detail += "".join(f", {e}" for e in extra)
     if refused is not None:
         # The layer's own message starts with the layer, which the report already names.
-        text = str(refused).removeprefix(f"{layer!r}: ")
+        text = str(refused).removeprefix(f"{layer_name(layer)}: ")
         detail += f", refused by this rank: {text}"
     return f"{name}{debug._DETAIL}{detail}"
 
