@@ -156,9 +156,9 @@ def _ranks_in_words(group: Any, ranks: list[int]) -> str:
                 start = i
         return ", ".join(parts)
 
-    world = [group.ranks[r] for r in ranks]
     if len(ranks) == 1:
-        return f"rank {ranks[0]} (global {world[0]})"
+        return where(group, ranks[0])
+    world = [group.ranks[r] for r in ranks]
     return f"ranks {spans(ranks)} (global {spans(world)})"
 
 
