@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
+import weakref
 import zlib
 
 import numpy
@@ -24,7 +25,11 @@ from .._agreement import Label
 from .parameter import Parameter
 from .validation import layer_name
 
-__all__ = ["Module", "Sequential"]
+__all__ = ["Module", "Sequential", "check_backward_done"]
+
+# Layers that cached a training-mode forward in debug mode, for check_backward_done; weak:
+# a layer that is gone has nothing pending. Empty outside debug mode.
+_cached_in_debug: "weakref.WeakSet[Module]" = weakref.WeakSet()
 
 # (label, dtype, masked shape, extra) -> the agreement's signature; bounded.
 _SIGNATURES: dict[tuple, int] = {}
@@ -140,7 +145,10 @@ class Module:
         array = type(x) is numpy.ndarray or backend.is_cupy_array(x)
         learn = sizes_of is not None and array and -x.ndim <= sizes_of < x.ndim
         refused = None
-        if validate is not None:
+        if (debug._enabled and direction == "forward" and self.training
+                and self.__dict__.get("_saved") is not None):
+            refused = self._pending_error()  # before any collective of this forward
+        elif validate is not None:
             try:
                 validate[0](*validate[1:])
             except (TypeError, ValueError) as error:
@@ -195,8 +203,26 @@ class Module:
         return self.forward(*args, **kwargs)
 
     def save_for_backward(self, *items: Any) -> None:
-        """Cache ``items`` for the next :meth:`backward` (replaces any earlier cache)."""
+        """Cache ``items`` for the next :meth:`backward`.
+
+        In debug mode (:mod:`pympar.debug`) a training-mode forward whose previous forward's
+        cache is still pending (that backward never ran on this rank) raises RuntimeError
+        naming the layer and the rank (and ``allreduce_gradients`` one still pending). Outside debug
+        mode the earlier cache is replaced.
+        """
+        if debug._enabled and self.training:
+            if self.__dict__.get("_saved") is not None:
+                raise self._pending_error()
+            _cached_in_debug.add(self)
         object.__setattr__(self, "_saved", items)
+
+    def _pending_error(self) -> RuntimeError:
+        """Debug mode's error for a forward while the previous one's cache is pending."""
+        return RuntimeError(
+            f"{layer_name(self)} on {_this_rank()}: a forward while the previous forward's "
+            f"cache is still pending, so that forward's backward never ran on this rank "
+            f"(skipped, or stopped early upstream); run backward after every training-mode "
+            f"forward, or call .eval() for forward-only passes (debug mode checks this)")
 
     def saved_tensors(self) -> tuple:
         """Return and release the cache of the last forward.
@@ -371,6 +397,57 @@ class Module:
         for name, mod in kids:
             lines.append("  (" + name + "): " + repr(mod).replace("\n", "\n  "))
         return "\n".join(lines) + "\n)"
+
+
+def _this_rank() -> str:
+    from mpi4py import MPI  # imported here: only a debug-mode error needs it
+
+    world = MPI.COMM_WORLD
+    return f"global rank {world.Get_rank()} of {world.Get_size()}"
+
+
+def check_backward_done(params: "Module | Iterable[Parameter]", group: Any, what: str) -> None:
+    """Debug mode: raise, on every rank of ``group``, when a layer that owns one of ``params``
+    still holds the cache of a training-mode forward whose backward never ran on some rank.
+
+    Called before a gradient reduction (:func:`pympar.optim.allreduce_gradients`): a
+    gradient missing one rank's contribution would otherwise be reduced silently. Does
+    nothing outside debug mode.
+
+    Parameters
+    ----------
+    params : Module or iterable of Parameter
+        The parameters about to be reduced.
+    group : Group or None
+        The ranks about to reduce them (their collective's check carries the refusal).
+    what : str
+        The reduction, for the message.
+
+    Raises
+    ------
+    RuntimeError
+        On this rank when its layers have pending caches and so do every other rank's.
+    pympar.debug.CollectiveMismatchError
+        On every rank when only some ranks have pending caches (naming their layers).
+    """
+    if not debug._enabled or not _cached_in_debug:
+        return
+    owned = {id(p) for p in as_parameter_list(params)}
+    pending = [m for m in list(_cached_in_debug) if m.__dict__.get("_saved") is not None
+               and any(id(p) in owned for p in m._registries()[0].values())]
+    if not pending:
+        return
+    names = "; ".join(f"{layer_name(m)} (parameters "
+                      f"{', '.join(p.name or '?' for p in m._registries()[0].values())})"
+                      for m in pending[:4])
+    more = f" and {len(pending) - 4} more" if len(pending) > 4 else ""
+    error = RuntimeError(
+        f"{what} on {_this_rank()}: the backward of {names}{more} never ran after its last "
+        f"forward, so their gradients lack this rank's contribution; run backward through "
+        f"every layer (debug mode checks this)")
+    if group is not None and getattr(group, "size", 1) > 1:
+        _agreement.refuse(group, what, error)
+    raise error
 
 
 def _described(layer: Module, x: Any, key: tuple, refused: Exception | None) -> str:
