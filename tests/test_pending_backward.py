@@ -75,13 +75,15 @@ def test_a_forward_over_a_pending_cache_names_the_layer_and_the_rank():
                            rf"{WORLD.rank} of {P}: a forward while the previous forward's "
                            r"cache is still pending"):
             model.forward(np.zeros((5, 4)))
-        # Forward-only passes in evaluation mode are fine.
-        model.eval()
+        # Forward-only passes are fine, in training mode (no backward ran since) or not.
+        model[0].saved_tensors()
         model.forward(np.zeros((5, 4)))
+        model.forward(np.zeros((5, 4)))
+        model.eval()
         model.forward(np.zeros((5, 4)))
     # Outside debug mode nothing is checked (and nothing costs).
     model.train()
-    model.forward(np.zeros((5, 4)))
+    _step(model, True)
     model.forward(np.zeros((5, 4)))
 
 
@@ -89,25 +91,32 @@ def test_a_forward_over_a_pending_cache_names_the_layer_and_the_rank():
 def test_a_parallel_layer_over_a_pending_cache_raises_on_every_rank(clean_state):
     manager.initialize_parallel(P)
     layer = ColumnParallelLinear(4, 2 * P, dtype=np.float64, input_grad=False)
+    tail = GELU()
     x = np.random.default_rng(4).standard_normal((3, 4))
-    dy = np.ones((3, 2 * P))
+
+    def step(skip: bool) -> None:
+        tail.forward(layer.forward(x))
+        dy = tail.backward(np.ones((3, 2 * P)))
+        if not skip:
+            layer.backward(dy)
+
     with debug_mode(True, timeout=8.0):
-        # Every rank skipped the backward: each refuses before the forward's collectives.
-        layer.forward(x)
+        # Every rank skipped the layer's backward: each refuses before the forward's
+        # collectives.
+        step(True)
         raises_everywhere(RuntimeError, rf"ColumnParallelLinear.* on global rank "
                           rf"{WORLD.rank} of {P}: a forward while the previous forward's "
                           r"cache is still pending", layer.forward, x)
         layer.saved_tensors()
-        # One rank skipped it while the others run it: their backward's agreement meets
-        # that rank's refused forward, and every rank names it.
-        layer.forward(x)
+        # One rank skips it while the others run it: their backward's agreement meets that
+        # rank's refused next forward, and every rank names it.
+        step(True)
         error = CollectiveMismatchError if P > 1 else RuntimeError
         call = layer.forward if WORLD.rank == SKIPS else layer.backward
         raises_everywhere(error, rf"ColumnParallelLinear.* on global rank {SKIPS} of {P}: a "
                           r"forward while the previous forward's cache is still pending",
-                          call, x if WORLD.rank == SKIPS else dy)
+                          call, x if WORLD.rank == SKIPS else np.ones((3, 2 * P)))
         if WORLD.rank == SKIPS:
             layer.saved_tensors()
-        y = layer.forward(x)  # the group is still usable
-        layer.backward(np.ones(y.shape))
+        step(False)  # the group is still usable
     assert not debug.is_enabled()

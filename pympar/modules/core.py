@@ -30,6 +30,9 @@ __all__ = ["Module", "Sequential", "check_backward_done"]
 # Layers that cached a training-mode forward in debug mode, for check_backward_done; weak:
 # a layer that is gone has nothing pending. Empty outside debug mode.
 _cached_in_debug: "weakref.WeakSet[Module]" = weakref.WeakSet()
+# Debug mode: how many caches backward passes have consumed, the clock that tells a skipped
+# backward (others ran after the cache was saved) from a forward-only pass (none did).
+_backwards_run = [0]
 
 # (label, dtype, masked shape, extra) -> the agreement's signature; bounded.
 _SIGNATURES: dict[tuple, int] = {}
@@ -145,8 +148,8 @@ class Module:
         array = type(x) is numpy.ndarray or backend.is_cupy_array(x)
         learn = sizes_of is not None and array and -x.ndim <= sizes_of < x.ndim
         refused = None
-        if (debug._enabled and direction == "forward" and self.training
-                and self.__dict__.get("_saved") is not None):
+        if debug._enabled and direction == "forward" and self.training and \
+                self._skipped_backward():
             refused = self._pending_error()  # before any collective of this forward
         elif validate is not None:
             try:
@@ -206,23 +209,31 @@ class Module:
         """Cache ``items`` for the next :meth:`backward`.
 
         In debug mode (:mod:`pympar.debug`) a training-mode forward whose previous forward's
-        cache is still pending (that backward never ran on this rank) raises RuntimeError
-        naming the layer and the rank (and ``allreduce_gradients`` one still pending). Outside debug
-        mode the earlier cache is replaced.
+        cache is still pending although other layers' backward ran since (this one's was
+        skipped on this rank) raises RuntimeError naming the layer and the rank, and so does
+        ``allreduce_gradients`` with such a cache pending. A forward-only pass (no backward
+        since) just replaces the cache, as it always does outside debug mode.
         """
         if debug._enabled and self.training:
-            if self.__dict__.get("_saved") is not None:
+            if self._skipped_backward():
                 raise self._pending_error()
             _cached_in_debug.add(self)
+            object.__setattr__(self, "_saved_at", _backwards_run[0])
         object.__setattr__(self, "_saved", items)
+
+    def _skipped_backward(self) -> bool:
+        """Debug mode: whether this layer's cache is pending although some layer's backward
+        ran after it was saved (a forward-only pass, with no backward since, is not a skip)."""
+        return (self.__dict__.get("_saved") is not None
+                and self.__dict__.get("_saved_at", _backwards_run[0]) != _backwards_run[0])
 
     def _pending_error(self) -> RuntimeError:
         """Debug mode's error for a forward while the previous one's cache is pending."""
         return RuntimeError(
             f"{layer_name(self)} on {_this_rank()}: a forward while the previous forward's "
-            f"cache is still pending, so that forward's backward never ran on this rank "
-            f"(skipped, or stopped early upstream); run backward after every training-mode "
-            f"forward, or call .eval() for forward-only passes (debug mode checks this)")
+            f"cache is still pending, although other layers' backward ran since: its backward "
+            f"was skipped on this rank (stopped early upstream?), and its gradients lack that "
+            f"step; run backward through every layer (debug mode checks this)")
 
     def saved_tensors(self) -> tuple:
         """Return and release the cache of the last forward.
@@ -238,6 +249,8 @@ class Module:
         if saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward called before forward")
         object.__setattr__(self, "_saved", None)
+        if debug._enabled:
+            _backwards_run[0] += 1
         return saved
 
     # -- traversal ---------------------------------------------------------------------
@@ -408,7 +421,8 @@ def _this_rank() -> str:
 
 def check_backward_done(params: "Module | Iterable[Parameter]", group: Any, what: str) -> None:
     """Debug mode: raise, on every rank of ``group``, when a layer that owns one of ``params``
-    still holds the cache of a training-mode forward whose backward never ran on some rank.
+    still holds the cache of a training-mode forward whose backward never ran on some rank
+    while other layers' backward did.
 
     Called before a gradient reduction (:func:`pympar.optim.allreduce_gradients`): a
     gradient missing one rank's contribution would otherwise be reduced silently. Does
@@ -433,7 +447,7 @@ def check_backward_done(params: "Module | Iterable[Parameter]", group: Any, what
     if not debug._enabled or not _cached_in_debug:
         return
     owned = {id(p) for p in as_parameter_list(params)}
-    pending = [m for m in list(_cached_in_debug) if m.__dict__.get("_saved") is not None
+    pending = [m for m in list(_cached_in_debug) if m._skipped_backward()
                and any(id(p) in owned for p in m._registries()[0].values())]
     if not pending:
         return
