@@ -188,9 +188,9 @@ class Module:
             if refused is not None:  # every rank refused alike: each raises its own error
                 raise refused
             return block
-        return Label(block.name, _agreement.extents(
-            group, sig, _described(self, x, key, None).replace(debug._DETAIL, " with "), None,
-            x.shape[sizes_of]))
+        return Label(block.name, _agreement.extents(group, sig, _described(self, x, key, None),
+                                                    None, x.shape[sizes_of],
+                                                    hint=_must_hold(x, split)))
 
     # -- forward / backward ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
