@@ -89,7 +89,7 @@ def _bad(y: Any) -> np.ndarray:
 
 
 def _expected(layer: Any, y: Any) -> str:
-    return (f"{re.escape(type(layer).__name__)}.*expected output gradient of shape "
+    return (f"{re.escape(type(layer).__name__)}.*expected output gradient (block )?of shape "
             f"{re.escape(str(tuple(y.shape)))}")
 
 
@@ -115,7 +115,7 @@ def _refused_by_one(layer: Any, y: Any) -> None:
         ok = re.search(_expected(layer, y), text) is not None
     else:
         ok = (isinstance(caught, CollectiveMismatchError) and P > 1
-              and re.search(r"refused by this rank: .*expected output gradient of shape \(",
+              and re.search(r"refused by this rank: .*expected output gradient (block )?of shape \(",
                             text) is not None)
     agree(ok and "\n" not in text, f"got {caught!r}")
     agree(time.monotonic() - start < 10, "the refusal took more than 10 s to reach every rank")
