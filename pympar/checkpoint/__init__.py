@@ -11,9 +11,9 @@ from . import api
 from .api import latest, load, save
 from .format import FORMAT, MANIFEST, VERSION, CheckpointError
 
-#: Bytes of the host staging buffer each rank uses for a save or a load (8 MiB): the one
-#: of ``pympar.checkpoint.api``, named here (a re-export alone would show ``int``'s
-#: docstring in the API reference).
+# Named here, not only re-exported, so that the API reference shows this docstring
+# instead of int's.
+#: Bytes of the host staging buffer each rank uses for a save or a load (8 MiB).
 BUFFER_BYTES = api.BUFFER_BYTES
 
 __all__ = ["save", "load", "latest", "CheckpointError", "BUFFER_BYTES", "FORMAT", "VERSION",
