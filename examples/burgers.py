@@ -244,7 +244,8 @@ def tokens(u: np.ndarray, grid_slice: slice, dtype) -> np.ndarray:
 def check_layout(args: argparse.Namespace, world: int) -> None:
     """Reject flags that cannot fit the world size or the model (ValueError, one line)."""
     if args.tp * args.cp * max(args.dp, 1) > world or world % (args.tp * args.cp):
-        raise ValueError(f"--tp {args.tp} x --cp {args.cp} does not divide {world} ranks"
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} does not divide {world} ranks: "
+                         f"{manager.rank_counts_that_fit(args.tp * args.cp, world)}"
                          + launcher_hint(COMMAND))
     if args.dp and args.dp * args.tp * args.cp != world:
         raise ValueError(f"--tp {args.tp} x --cp {args.cp} x --dp {args.dp} != {world} ranks"

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from pympar import checkpoint
+from pympar import checkpoint, manager
 from pympar.launch import RankZeroParser, launcher_hint, report_error
 from pympar.mesh import Mesh
 from pympar.modules import GELU, Linear, Module
@@ -149,7 +149,8 @@ def check_layout(args: argparse.Namespace, world: int) -> None:
     """Reject flags that cannot fit the world size or the model (ValueError, one line)."""
     if args.spatial < 1 or world % args.spatial:
         raise ValueError(f"--spatial {args.spatial} does not divide {world} ranks"
-                         + launcher_hint(COMMAND))
+                         + (f": {manager.rank_counts_that_fit(args.spatial, world)}"
+                            if args.spatial >= 1 else "") + launcher_hint(COMMAND))
     if args.dp and args.dp * args.spatial != world:
         raise ValueError(f"--spatial {args.spatial} x --dp {args.dp} != {world} ranks"
                          + launcher_hint(COMMAND))

@@ -70,10 +70,11 @@ def describe(shown: str, name: str | None) -> str:
     return f"{shown} in {name}" if name else shown
 
 
-def check(group: Any, sig: int, shown: str, name: str | None) -> None:
-    """The agreement check: raise on every rank of ``group`` unless every rank passes ``sig``."""
+def check(group: Any, sig: int, shown: str, name: str | None, hint: str = "") -> None:
+    """The agreement check: raise on every rank of ``group`` unless every rank passes ``sig``
+    (``hint``: what must hold, see :func:`pympar.debug.report`)."""
     if not group._state.board.agree(sig, group, shown, debug._timeout):
-        debug.report(group, describe(shown, name))
+        debug.report(group, describe(shown, name), hint)
 
 
 def refuse(group: Any, what: str, error: Exception) -> None:
@@ -111,13 +112,15 @@ def agree(group: Any, key: tuple, shown: str) -> None:
 
 
 def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,
-            claim: int = 0) -> tuple[int, ...]:
+            claim: int = 0, hint: str = "") -> tuple[int, ...]:
     """Every rank's ``extent``, learned after the check of ``sig`` in one small exchange.
 
     ``claim`` is this rank's ``out`` extent along the gathered axis plus one (0: no
     ``out``): an ``out`` that does not fit the total on any rank makes every rank raise.
+    ``shown`` and ``hint`` go to the check's report (``shown`` may hold its subject mark).
     """
-    check(group, sig, shown, name)
+    check(group, sig, shown, name, hint)
+    shown = shown.replace(debug._DETAIL, " with ")
     mine = np.array([extent, claim], np.int64)
     table = np.empty((group.size, 2), np.int64)
     wait(group.comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]),

@@ -137,10 +137,41 @@ def _call_site() -> str:
     return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
 
 
-def report(group: Any, shown: str) -> None:
+# Separates a call's subject from this rank's detail in ``report``'s ``shown``
+# (``"Layer.forward" + _DETAIL + "input (32, 16) float32"``): when every rank's subject is
+# the same the report names it once and lists only the details.
+_DETAIL = "\x1f"
+# What a refusing rank's call says (pympar._agreement.refuse, Module.agreement).
+_REFUSED = "refused by this rank"
+
+
+def _ranks_in_words(group: Any, ranks: list[int]) -> str:
+    """``"rank 1 (global 5)"`` or ``"ranks 0, 2-3 (global 4, 6-7)"``."""
+    def spans(values: list[int]) -> str:
+        parts, start = [], 0
+        for i in range(1, len(values) + 1):
+            if i == len(values) or values[i] != values[i - 1] + 1:
+                first, last = values[start], values[i - 1]
+                parts.append(str(first) if first == last else f"{first}-{last}")
+                start = i
+        return ", ".join(parts)
+
+    if len(ranks) == 1:
+        return where(group, ranks[0])
+    world = [group.ranks[r] for r in ranks]
+    return f"ranks {spans(ranks)} (global {spans(world)})"
+
+
+def report(group: Any, shown: str, hint: str = "") -> None:
     """Raise :class:`CollectiveMismatchError` naming every rank's call ``shown`` (with, in
     debug mode, where it was made); collective: every rank of ``group`` calls it once the
-    agreement check found that their calls differ, so every rank raises the same error."""
+    agreement check found that their calls differ, so every rank raises the same error.
+
+    The message is one line and the same on every rank: each distinct call once, with the
+    ranks that made it. ``shown`` may be ``subject + "\\x1f" + detail``: when every rank
+    names the same subject it is said once, followed by each rank's detail and ``hint``
+    (what must hold, alike on every rank).
+    """
     if _enabled:
         shown = f"{shown} at {_call_site()}"
     data = shown.encode("utf-8", "replace")[:SLOT_BYTES]
@@ -148,14 +179,28 @@ def report(group: Any, shown: str) -> None:
     mine[:len(data)] = np.frombuffer(data, np.uint8)
     table = np.empty((group.size, SLOT_BYTES), np.uint8)
     wait(group.comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE]),
-         f"the mismatch report of {shown}", group, _timeout)
+         f"the mismatch report of {shown.replace(_DETAIL, ' with ')}", group, _timeout)
     calls = [row.tobytes().rstrip(b"\0").decode("utf-8", "replace") for row in table]
-    differ = [r for r, call in enumerate(calls) if call != calls[0]]
-    shown_ranks = [0] + differ[:_SHOWN_RANKS]
-    listing = "; ".join(f"{where(group, r)}: {calls[r]}" for r in shown_ranks)
-    if len(differ) > _SHOWN_RANKS:
-        listing += f"; ... ({len(differ) - _SHOWN_RANKS} more ranks differ)"
-    raise CollectiveMismatchError(
-        f"ranks of group {group.name!r} disagree on a collective (this is "
-        f"{where(group, group.rank)}, calling {shown}); ranks {differ} differ from rank 0. "
-        f"Calls: {listing}")
+    ranks_of: dict[str, list[int]] = {}
+    for r, call in enumerate(calls):
+        ranks_of.setdefault(call, []).append(r)
+    subjects = {call.partition(_DETAIL)[0] for call in ranks_of}
+    same = len(subjects) == 1 and _DETAIL in calls[0]
+    shown_calls = list(ranks_of.items())[:_SHOWN_RANKS]
+    listing = "; ".join(
+        f"{_ranks_in_words(group, ranks)}: "
+        f"{call.partition(_DETAIL)[2] if same else call.replace(_DETAIL, ' with ')}"
+        for call, ranks in shown_calls)
+    if len(ranks_of) > _SHOWN_RANKS:
+        listing += f"; ... ({len(ranks_of) - _SHOWN_RANKS} more distinct calls)"
+    if any(_REFUSED in call for call in ranks_of):
+        hint = "every rank raises: fix the input that a rank refused"
+    if same:
+        must = hint or "every rank must pass the same"
+        message = (f"ranks of group {group.name!r} disagree on {subjects.pop()}: {listing}; "
+                   f"{must}")
+    else:
+        must = hint or ("every rank of the group must make the same call (operation, dtype, "
+                        "extents, label) in the same order")
+        message = f"ranks of group {group.name!r} disagree on a collective: {listing}; {must}"
+    raise CollectiveMismatchError(message)

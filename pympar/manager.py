@@ -23,6 +23,7 @@ __all__ = [
     "is_initialized",
     "get_parallel_state",
     "get_3d_group",
+    "rank_counts_that_fit",
     "resolve_group",
     "get_tensor_parallel_group",
     "get_tensor_parallel_group_name",
@@ -82,6 +83,32 @@ class ParallelState:
 _state: ParallelState | None = None
 
 
+def rank_counts_that_fit(model: int, world: int) -> str:
+    """What to run instead when ``world`` ranks do not split into groups of ``model``, in
+    words: the nearest rank counts that fit, and the group sizes that fit ``world``.
+
+    Parameters
+    ----------
+    model : int
+        Ranks per model replica (tensor x context parallel sizes).
+    world : int
+        The ranks the job has.
+
+    Returns
+    -------
+    str
+        E.g. ``"run it on a multiple of 2 ranks (mpiexec -n 2 or -n 4), or use sizes whose
+        product divides 3 (1 or 3)"``.
+    """
+    below = world // model * model
+    counts = " or ".join(f"-n {n}" for n in (below, below + model) if n > 0)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    shown = ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 \
+        else "1"
+    return (f"run it on a multiple of {model} ranks (mpiexec {counts}), or use sizes whose "
+            f"product divides {world} ({shown})")
+
+
 def _check_arguments(tensor_parallel_size: int, context_parallel_size: int, order: str,
                      tensor_parallel_mode: str, data_parallel_size: int | None,
                      world: int) -> dict[str, int]:
@@ -100,7 +127,8 @@ def _check_arguments(tensor_parallel_size: int, context_parallel_size: int, orde
     model = sizes["tp"] * sizes["cp"]
     if world % model:
         raise ValueError(f"world size {world} is not divisible by tensor_parallel_size "
-                         f"{sizes['tp']} x context_parallel_size {sizes['cp']} = {model}")
+                         f"{sizes['tp']} x context_parallel_size {sizes['cp']} = {model}: "
+                         f"{rank_counts_that_fit(model, world)}")
     sizes["dp"] = world // model
     parse_order(order, sizes)
     if tensor_parallel_mode == "3d":

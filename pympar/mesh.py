@@ -236,10 +236,42 @@ class Mesh:
         table = self.group_ranks(*axes)
         row, column = (int(i) for i in np.argwhere(table == self.rank)[0])
         members = table[row].tolist()
-        comm = self.comm.Split(color=row, key=column)
         prefix = key or "-".join(axes) or "self"
-        return Group(comm, "-".join([prefix, *map(str, members)]), members)
+        call = f"Mesh.group({', '.join(map(repr, axes))})"
+        try:
+            comm = self.comm.Split(color=row, key=column)
+        except MPI.Exception as err:
+            raise _out_of_communicators(call, err) from None
+        try:
+            return Group(comm, "-".join([prefix, *map(str, members)]), members)
+        except MPI.Exception as err:  # the group's agreement board splits the node
+            comm.Free()
+            raise _out_of_communicators(call, err) from None
 
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={self.sizes[a]}" for a in self.axes)
         return f"Mesh({shape}; rank {self.rank})"
+
+
+def _out_of_communicators(call: str, err: MPI.Exception) -> RuntimeError:
+    """The error of ``call`` when MPI refused to create a communicator with ``err``.
+
+    Parameters
+    ----------
+    call : str
+        What was creating it, e.g. ``"Mesh.group('tp')"``.
+    err : mpi4py.MPI.Exception
+        MPI's error ("Other MPI error" and a stack, on MPICH).
+
+    Returns
+    -------
+    RuntimeError
+        One line: MPI's error class, and the usual cause and its remedy.
+    """
+    reason = str(err).split(",")[0].split("\n")[0].strip()
+    return RuntimeError(
+        f"{call}: MPI could not create a communicator ({reason}, error class "
+        f"{err.Get_error_class()}); most likely the job has run out of them: MPI allows a "
+        f"few thousand at once (MPICH about 2,000), and every group holds one until it is "
+        f"freed. Free the groups no longer needed (Group.free, or manager.destroy_parallel "
+        f"for the parallel state's) instead of creating new ones each step")

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Union
 from pympar._optim_state import StateDictMixin
 from pympar.backend import array_module
 from pympar.collectives import label
-from pympar.modules.core import Module, as_parameter_list
+from pympar.modules.core import Module, as_parameter_list, check_backward_done
 from pympar.modules.parameter import Parameter
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "allreduce_gradients", "flat_label"]
@@ -345,6 +345,7 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
     or another ``average``, raise :class:`~pympar.debug.CollectiveMismatchError` instead of
     mixing gradients.
     """
+    check_backward_done(module_or_params, group, "allreduce_gradients")  # debug mode only
     if group is None or group.size == 1:
         return
     if bucket_bytes < 1:

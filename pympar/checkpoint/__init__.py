@@ -7,8 +7,14 @@ NumPy program can read it with ``numpy.load(f, allow_pickle=False, mmap_mode="r"
 :mod:`pympar.checkpoint.format`.
 """
 
-from .api import BUFFER_BYTES, latest, load, save
+from . import api
+from .api import latest, load, save
 from .format import FORMAT, MANIFEST, VERSION, CheckpointError
+
+# Named here, not only re-exported, so that the API reference shows this docstring
+# instead of int's.
+#: Bytes of the host staging buffer each rank uses for a save or a load (8 MiB).
+BUFFER_BYTES = api.BUFFER_BYTES
 
 __all__ = ["save", "load", "latest", "CheckpointError", "BUFFER_BYTES", "FORMAT", "VERSION",
            "MANIFEST"]

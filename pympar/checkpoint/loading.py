@@ -209,7 +209,13 @@ def optimizer_state(manifest: dict, model: Any, optimizer: Any) -> dict:
     state = optimizer.local_state_dict()
     by_name = {n: i for i, n in enumerate(optimizer_names(model, optimizer))}
     if set(saved["steps"]) != set(by_name):
-        raise CheckpointError("the checkpoint's optimizer steps name other parameters")
+        extra, missing = sorted(set(by_name) - set(saved["steps"])), sorted(set(saved["steps"])
+                                                                              - set(by_name))
+        raise CheckpointError(f"the optimizer given steps other parameters than the saved one: "
+                              f"{extra[:8]}{' ...' * (len(extra) > 8)} not in the checkpoint's "
+                              f"optimizer state, {missing[:8]}{' ...' * (len(missing) > 8)} "
+                              f"saved but not in the optimizer given; build it over the "
+                              f"parameters it was saved with")
     for name, i in by_name.items():
         state["state"][i]["step"] = saved["steps"][name]
     state["type"], state["hyperparameters"] = saved["type"], saved.get("hyperparameters")

@@ -15,6 +15,7 @@ from ..backend import array_module
 from .core import Module
 from .layout_tags import carry
 from .philox import DROPOUT_STREAM
+from .validation import check_array
 
 __all__ = ["GELU", "ReLU", "Dropout"]
 
@@ -101,9 +102,10 @@ class GELU(Module):
         an arrangement that needs no scratch beyond ``dx`` and the cached ``T``.
         """
         x, t = self.saved_tensors()
+        check_array(self, dy, None, x.dtype, "output gradient", x.shape)
         xp = array_module(x)
         dx = xp.empty_like(x)
-        if xp is numpy and x.flags.c_contiguous and dy.flags.c_contiguous and dy.shape == x.shape:
+        if xp is numpy and x.flags.c_contiguous and dy.flags.c_contiguous:
             xf, tf, df, gf = x.reshape(-1), t.reshape(-1), dy.reshape(-1), dx.reshape(-1)
             block = _GELU_BLOCK
             for i in range(0, xf.size, block):
@@ -122,12 +124,13 @@ class ReLU(Module):
         """Apply ReLU element-wise."""
         xp = array_module(x)
         mask = x > 0
-        self.save_for_backward(mask)
+        self.save_for_backward(mask, x.dtype)
         return carry(x, xp.multiply(x, mask))
 
     def backward(self, dy: Any) -> Any:
         """Return ``dy`` masked by ``x > 0``."""
-        (mask,) = self.saved_tensors()
+        mask, dtype = self.saved_tensors()
+        check_array(self, dy, None, dtype, "output gradient", mask.shape)
         return carry(dy, array_module(dy).multiply(dy, mask))
 
 
@@ -185,13 +188,14 @@ class Dropout(Module):
     def forward(self, x: Any) -> Any:
         """Return ``x * mask / (1 - p)`` in training mode, ``x`` in evaluation mode."""
         if not self.training or self.p == 0.0:
-            self.save_for_backward(None)
+            self.save_for_backward(None, x.shape, x.dtype)
             return x
         mask = self._mask(x)
-        self.save_for_backward(mask)
+        self.save_for_backward(mask, x.shape, x.dtype)
         return carry(x, x * mask)
 
     def backward(self, dy: Any) -> Any:
         """Apply the forward's mask (and scale) to ``dy``."""
-        (mask,) = self.saved_tensors()
+        mask, shape, dtype = self.saved_tensors()
+        check_array(self, dy, None, dtype, "output gradient", shape)
         return dy if mask is None else carry(dy, dy * mask)

@@ -27,6 +27,7 @@ from .blockwise import check_key_lengths, key_mask
 from .context_attention import ContextAttention
 from .core import Module
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .validation import check_array
 
 __all__ = ["attention_forward", "attention_backward", "DistributedAttention", "ParallelAttention"]
 
@@ -205,14 +206,17 @@ class ParallelAttention(Module):
             mask = key_mask(array_module(x), pos, pos, self.causal, lens)
             qkv = qkv.reshape(seq, batch, 3, self.local_heads, self.head_dim)
             out, cache = attention_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask)
-            self.save_for_backward(cache)
-            return self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
+            y = self.proj.forward(out.reshape(seq, batch, self.local_heads * self.head_dim))
+            self.save_for_backward(cache, y.shape)
+            return y
 
     def backward(self, dy: Any) -> Any:
         """Return the input gradient (None with ``input_grad=False``); accumulate parameters'."""
+        cache, y_shape = self.saved_tensors()
         with self.agreement("backward", dy, self.qkv.group,
-                            (0,) if self.qkv.use_sequence_parallel else ()):
-            (cache,) = self.saved_tensors()
+                            (0,) if self.qkv.use_sequence_parallel else (),
+                            validate=(check_array, self, dy, None, self.qkv.dtype,
+                                      "output gradient", y_shape)):
             return self._backward(self.proj.backward(dy), cache)
 
     def _backward(self, dout: Any, cache: tuple) -> Any:

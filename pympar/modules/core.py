@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterable, Iterator, Mapping
 
+import weakref
 import zlib
 
 import numpy
@@ -22,8 +23,16 @@ import numpy
 from .. import _agreement, backend, debug
 from .._agreement import Label
 from .parameter import Parameter
+from .validation import layer_name
 
-__all__ = ["Module", "Sequential"]
+__all__ = ["Module", "Sequential", "check_backward_done"]
+
+# Layers that cached a training-mode forward in debug mode, for check_backward_done; weak:
+# a layer that is gone has nothing pending. Empty outside debug mode.
+_cached_in_debug: "weakref.WeakSet[Module]" = weakref.WeakSet()
+# Debug mode: how many caches backward passes have consumed, the clock that tells a skipped
+# backward (others ran after the cache was saved) from a forward-only pass (none did).
+_backwards_run = [0]
 
 # (label, dtype, masked shape, extra) -> the agreement's signature; bounded.
 _SIGNATURES: dict[tuple, int] = {}
@@ -139,7 +148,10 @@ class Module:
         array = type(x) is numpy.ndarray or backend.is_cupy_array(x)
         learn = sizes_of is not None and array and -x.ndim <= sizes_of < x.ndim
         refused = None
-        if validate is not None:
+        if debug._enabled and direction == "forward" and self.training and \
+                self._skipped_backward():
+            refused = self._pending_error()  # before any collective of this forward
+        elif validate is not None:
             try:
                 validate[0](*validate[1:])
             except (TypeError, ValueError) as error:
@@ -172,12 +184,13 @@ class Module:
             sig = _SIGNATURES[key] = zlib.crc32(repr(key).encode()) | 1
         if not learn or refused is not None:
             if not board.agree(sig, group, name, debug._timeout):
-                debug.report(group, _described(x, key, refused))
+                debug.report(group, _described(self, x, key, refused), _must_hold(x, split))
             if refused is not None:  # every rank refused alike: each raises its own error
                 raise refused
             return block
-        return Label(block.name, _agreement.extents(group, sig, _described(x, key, None), None,
-                                                    x.shape[sizes_of]))
+        return Label(block.name, _agreement.extents(group, sig, _described(self, x, key, None),
+                                                    None, x.shape[sizes_of],
+                                                    hint=_must_hold(x, split)))
 
     # -- forward / backward ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -193,8 +206,34 @@ class Module:
         return self.forward(*args, **kwargs)
 
     def save_for_backward(self, *items: Any) -> None:
-        """Cache ``items`` for the next :meth:`backward` (replaces any earlier cache)."""
+        """Cache ``items`` for the next :meth:`backward`.
+
+        In debug mode (:mod:`pympar.debug`) a training-mode forward whose previous forward's
+        cache is still pending although other layers' backward ran since (this one's was
+        skipped on this rank) raises RuntimeError naming the layer and the rank, and so does
+        ``allreduce_gradients`` with such a cache pending. A forward-only pass (no backward
+        since) just replaces the cache, as it always does outside debug mode.
+        """
+        if debug._enabled and self.training:
+            if self._skipped_backward():
+                raise self._pending_error()
+            _cached_in_debug.add(self)
+            object.__setattr__(self, "_saved_at", _backwards_run[0])
         object.__setattr__(self, "_saved", items)
+
+    def _skipped_backward(self) -> bool:
+        """Debug mode: whether this layer's cache is pending although some layer's backward
+        ran after it was saved (a forward-only pass, with no backward since, is not a skip)."""
+        return (self.__dict__.get("_saved") is not None
+                and self.__dict__.get("_saved_at", _backwards_run[0]) != _backwards_run[0])
+
+    def _pending_error(self) -> RuntimeError:
+        """Debug mode's error for a forward while the previous one's cache is pending."""
+        return RuntimeError(
+            f"{layer_name(self)} on {_this_rank()}: a forward while the previous forward's "
+            f"cache is still pending, although other layers' backward ran since: its backward "
+            f"was skipped on this rank (stopped early upstream?), and its gradients lack that "
+            f"step; run backward through every layer (debug mode checks this)")
 
     def saved_tensors(self) -> tuple:
         """Return and release the cache of the last forward.
@@ -210,6 +249,8 @@ class Module:
         if saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward called before forward")
         object.__setattr__(self, "_saved", None)
+        if debug._enabled:
+            _backwards_run[0] += 1
         return saved
 
     # -- traversal ---------------------------------------------------------------------
@@ -371,16 +412,81 @@ class Module:
         return "\n".join(lines) + "\n)"
 
 
-def _described(x: Any, key: tuple, refused: Exception | None) -> str:
-    """A layer's call in words (``key`` is what its agreement compares), for the report."""
+def _this_rank() -> str:
+    from mpi4py import MPI  # imported here: only a debug-mode error needs it
+
+    world = MPI.COMM_WORLD
+    return f"global rank {world.Get_rank()} of {world.Get_size()}"
+
+
+def check_backward_done(params: "Module | Iterable[Parameter]", group: Any, what: str) -> None:
+    """Debug mode: raise, on every rank of ``group``, when a layer that owns one of ``params``
+    still holds the cache of a training-mode forward whose backward never ran on some rank
+    while other layers' backward did.
+
+    Called before a gradient reduction (:func:`pympar.optim.allreduce_gradients`): a
+    gradient missing one rank's contribution would otherwise be reduced silently. Does
+    nothing outside debug mode.
+
+    Parameters
+    ----------
+    params : Module or iterable of Parameter
+        The parameters about to be reduced.
+    group : Group or None
+        The ranks about to reduce them (their collective's check carries the refusal).
+    what : str
+        The reduction, for the message.
+
+    Raises
+    ------
+    RuntimeError
+        On this rank when its layers have pending caches and so do every other rank's.
+    pympar.debug.CollectiveMismatchError
+        On every rank when only some ranks have pending caches (naming their layers).
+    """
+    if not debug._enabled or not _cached_in_debug:
+        return
+    owned = {id(p) for p in as_parameter_list(params)}
+    pending = [m for m in list(_cached_in_debug) if m._skipped_backward()
+               and any(id(p) in owned for p in m._registries()[0].values())]
+    if not pending:
+        return
+    names = "; ".join(f"{layer_name(m)} (parameters "
+                      f"{', '.join(p.name or '?' for p in m._registries()[0].values())})"
+                      for m in pending[:4])
+    more = f" and {len(pending) - 4} more" if len(pending) > 4 else ""
+    error = RuntimeError(
+        f"{what} on {_this_rank()}: the backward of {names}{more} never ran after its last "
+        f"forward, so their gradients lack this rank's contribution; run backward through "
+        f"every layer (debug mode checks this)")
+    if group is not None and getattr(group, "size", 1) > 1:
+        _agreement.refuse(group, what, error)
+    raise error
+
+
+def _described(layer: Module, x: Any, key: tuple, refused: Exception | None) -> str:
+    """A layer's call in words for the report (``key`` is what its agreement compares): the
+    label, then (after ``debug._DETAIL``) this rank's input, once each."""
     name, dtype, shape, extra = key[:4]
-    extra = "".join(f", {e}" for e in extra)
+    detail = (f"input {tuple(x.shape)} {x.dtype}" if shape is not None
+              else f"input {dtype}")
+    detail += "".join(f", {e}" for e in extra)
     if refused is not None:
-        extra += f", refused by this rank: {refused}"
-    if shape is None:
-        return f"{name} with input {dtype}{extra}"
-    return (f"{name} with input of shape {tuple(x.shape)} (compared: {shape}, -1 split) and "
-            f"dtype {x.dtype}{extra}")
+        # The layer's own message starts with the layer, which the report already names.
+        text = str(refused).removeprefix(f"{layer_name(layer)}: ")
+        detail += f", refused by this rank: {text}"
+    return f"{name}{debug._DETAIL}{detail}"
+
+
+def _must_hold(x: Any, split: tuple[int, ...]) -> str:
+    """What the ranks of a layer's group must pass alike, in words."""
+    ndim = getattr(x, "ndim", 0)
+    axes = sorted({a % ndim for a in split if -ndim <= a < ndim}) if ndim else []
+    if not axes:
+        return "every rank must pass an input of the same shape and dtype"
+    shown = ", ".join(str(a) for a in axes)
+    return (f"every rank must pass an input of the same dtype and extents, except along "
+            f"axis {shown} (split over the group)")
 
 
 def _copy_into(dst: Any, src: Any) -> None:

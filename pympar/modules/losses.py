@@ -12,6 +12,17 @@ from .core import Module
 __all__ = ["SoftmaxCrossEntropy", "MSELoss"]
 
 
+def _scalar(loss: Module, grad: Any) -> float:
+    """``grad`` (the gradient of the loss, a scalar) as a float, or a TypeError naming ``loss``."""
+    if isinstance(grad, (int, float, numpy.integer, numpy.floating)) and not isinstance(grad, bool):
+        return float(grad)
+    if getattr(grad, "shape", None) == () and getattr(grad, "dtype", numpy.dtype(object)).kind in "iuf":
+        return float(grad)
+    raise TypeError(f"{type(loss).__name__}.backward: grad is the gradient of the scalar loss "
+                    f"and must be a real scalar, got {type(grad).__name__} of shape "
+                    f"{getattr(grad, 'shape', None)}")
+
+
 class SoftmaxCrossEntropy(Module):
     """Mean cross-entropy of ``softmax(logits)`` against integer class targets.
 
@@ -63,6 +74,7 @@ class SoftmaxCrossEntropy(Module):
     def backward(self, grad: float = 1.0) -> Any:
         """Return ``dlogits = grad * (softmax - onehot(target)) / N``."""
         probs, rows, t, shape = self.saved_tensors()
+        grad = _scalar(self, grad)
         probs[rows, t] -= 1.0
         probs *= grad / max(t.size, 1)
         return probs.reshape(shape)
@@ -90,5 +102,6 @@ class MSELoss(Module):
     def backward(self, grad: float = 1.0) -> Any:
         """Return ``dpred = grad * 2 (pred - target) / N``."""
         (diff,) = self.saved_tensors()
+        grad = _scalar(self, grad)
         diff *= 2.0 * grad / max(diff.size, 1)
         return diff

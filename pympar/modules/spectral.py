@@ -188,9 +188,9 @@ class SpectralConv(Module):
                 raise ValueError(f"{self!r}: {m} modes along spatial axis {k + 1}, a grid of "
                                  f"{n} points, holds at most {most} ({rule})")
 
-    def _refuse(self, err: Exception) -> None:
+    def _refuse(self, err: Exception, direction: str = "forward") -> None:
         if self.group is not None:
-            collectives.refuse(self.group, f"{type(self).__name__}.forward", err)
+            collectives.refuse(self.group, f"{type(self).__name__}.{direction}", err)
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, x: Any) -> Any:
@@ -211,8 +211,12 @@ class SpectralConv(Module):
     def backward(self, dy: Any) -> Any:
         """The input gradient (None with ``input_grad=False``); accumulates the weights'."""
         saved = self.saved_tensors()
-        check_array(self, dy, None, self.dtype, what="output gradient",
-                    shape=saved[-1][:-1] + (self.out_channels,))
+        try:
+            check_array(self, dy, None, self.dtype, what="output gradient",
+                        shape=saved[-1][:-1] + (self.out_channels,))
+        except (TypeError, ValueError) as err:  # the others are about to communicate
+            self._refuse(err, "backward")
+            raise
         return (self._backward_1d if len(self.modes) == 1 else self._backward_nd)(dy, *saved)
 
     # d >= 2: local transforms of x2..xd, one all-to-all each way

@@ -8,7 +8,16 @@ import numpy
 
 from .. import backend
 
-__all__ = ["check_array"]
+__all__ = ["check_array", "layer_name"]
+
+
+def layer_name(layer: Any) -> str:
+    """``layer`` in one line, for messages: its ``repr``, or for a container (whose ``repr``
+    lists its children over several lines) its class and ``extra_repr``."""
+    text = repr(layer)
+    if "\n" in text and hasattr(layer, "extra_repr"):
+        return f"{type(layer).__name__}({layer.extra_repr()})"
+    return text
 
 
 def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, what: str = "input",
@@ -21,7 +30,7 @@ def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, what: str 
     Parameters
     ----------
     layer : object
-        The layer, shown by its ``repr`` in the message.
+        The layer, shown by :func:`layer_name` in the message.
     x : array
         The array to check.
     last_dim : int or None
@@ -45,7 +54,7 @@ def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, what: str 
     if not isinstance(x, numpy.ndarray) and not backend.is_cupy_array(x):
         # Array-likes (lists, torch tensors, objects with __array__) are refused, not
         # converted: a conversion would copy every activation.
-        raise TypeError(f"{layer!r}: expected a numpy.ndarray or cupy.ndarray as {what}, got "
+        raise TypeError(f"{layer_name(layer)}: expected a numpy.ndarray or cupy.ndarray as {what}, got "
                         f"{type(x).__name__} (convert it with numpy.asarray)")
     if shape is not None:
         ok, want = tuple(x.shape) == tuple(shape), str(tuple(shape))
@@ -53,6 +62,6 @@ def check_array(layer: Any, x: Any, last_dim: int | None, dtype: Any, what: str 
         ok = x.ndim >= min_ndim and (last_dim is None or x.shape[-1] == last_dim)
         want = "(" + ", ".join(["rows"] * (min_ndim - 1) + ["...", str(last_dim)]) + ")"
     if not ok or x.dtype != dtype:
-        raise ValueError(f"{layer!r}: expected {what} of shape {want} and dtype "
+        raise ValueError(f"{layer_name(layer)}: expected {what} of shape {want} and dtype "
                          f"{numpy.dtype(dtype).name}, got shape {tuple(x.shape)} and dtype "
                          f"{x.dtype}")
