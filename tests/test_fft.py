@@ -62,13 +62,12 @@ def _inner(a: Any, b: Any) -> float:
     return WORLD.allreduce(float(np.vdot(to_numpy(a), to_numpy(b)).real))
 
 
-@pytest.fixture(params=["scipy.fft", "numpy.fft"])
+@pytest.fixture(params=["pyfftw", "scipy.fft", "numpy.fft"])
 def library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The local transforms of NumPy arrays: SciPy's (when installed) or NumPy's."""
-    if request.param == "scipy.fft" and _local._scipy_fft is None:
-        pytest.skip("SciPy is not installed")
-    if request.param == "numpy.fft":
-        monkeypatch.setattr(_local, "_scipy_fft", None)
+    """The local transforms of NumPy arrays: FFTW's, SciPy's or NumPy's (those installed)."""
+    if request.param not in _local.LIBRARIES:
+        pytest.skip(f"{request.param} is not installed")
+    monkeypatch.setattr(_local, "LIBRARY", request.param)
     return request.param
 
 
@@ -96,7 +95,7 @@ def test_forward_equals_numpy_and_round_trip(library, layouts, shape, layout, dt
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("norm", [None, "backward", "ortho", "forward"])
 @pytest.mark.parametrize("layout", ["slab", "pencil"])
-def test_norms_and_learned_extents(layouts, norm, layout):
+def test_norms_and_learned_extents(library, layouts, norm, layout):
     """Every norm= as NumPy's; without s= the extents are learned in the exchange."""
     groups, shape = layouts[layout], (13, 10, 7)
     full = _field(shape, np.float64, False, seed=1)
@@ -128,7 +127,7 @@ def test_transformed_axes_of_a_batch_of_fields(layouts):
 @pytest.mark.parametrize("layout", ["slab", "pencil"])
 @pytest.mark.parametrize("norm", [None, "ortho", "forward"])
 @pytest.mark.parametrize("name", ["rfftn", "irfftn", "fftn", "ifftn"])
-def test_adjoint(layouts, shape, layout, norm, name):
+def test_adjoint(library, layouts, shape, layout, norm, name):
     """``<F x, y> == <x, F.backward(y)>`` (real inner product, summed over ranks)."""
     if layout == "pencil" and len(shape) < 3:
         pytest.skip("a pencil needs three axes")

@@ -340,43 +340,42 @@ def _modes(d: int, modes: int | Sequence[int]) -> tuple[int, ...]:
     return modes
 
 
-class SpectralConv1d(SpectralConv):
+class _SpectralConvNd(SpectralConv):
+    """A :class:`SpectralConv` of fields of :attr:`dims` dimensions (one class per count)."""
+
+    dims = 0
+
+    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
+                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
+                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
+        super().__init__(in_channels, out_channels, _modes(self.dims, modes), group, dtype, seed,
+                         xp, input_grad)
+
+
+class SpectralConv1d(_SpectralConvNd):
     """Spectral convolution of 1-D fields ``(batch, x1, channels)``; ``modes`` an int.
 
     See :class:`SpectralConv` for the parameters.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
-                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
-                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__(in_channels, out_channels, _modes(1, modes), group, dtype, seed, xp,
-                         input_grad)
+    dims = 1
 
 
-class SpectralConv2d(SpectralConv):
+class SpectralConv2d(_SpectralConvNd):
     """Spectral convolution of 2-D fields ``(batch, x1, x2, channels)``; ``modes`` an int or
     two ints.
 
     See :class:`SpectralConv` for the parameters.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
-                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
-                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__(in_channels, out_channels, _modes(2, modes), group, dtype, seed, xp,
-                         input_grad)
+    dims = 2
 
 
-class SpectralConv3d(SpectralConv):
+class SpectralConv3d(_SpectralConvNd):
     """Spectral convolution of 3-D fields ``(batch, x1, x2, x3, channels)``; ``modes`` an int
     or three ints.
 
     See :class:`SpectralConv` for the parameters.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
-                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
-                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__(in_channels, out_channels, _modes(3, modes), group, dtype, seed, xp,
-                         input_grad)
-
+    dims = 3
