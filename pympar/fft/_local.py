@@ -42,7 +42,7 @@ import numpy
 
 from .. import backend
 
-__all__ = ["ADJOINT_NORM", "NORMS", "LIBRARY", "LIBRARIES", "c2c", "r2c", "c2r",
+__all__ = ["ADJOINT_NORM", "NORMS", "LIBRARY", "LIBRARIES", "c2c", "r2c", "c2r", "direct",
            "scale_conjugate_pairs"]
 
 #: The ``norm=`` values NumPy accepts (None is ``"backward"``).
@@ -79,6 +79,12 @@ def _library(x: Any) -> str:
     if LIBRARY != "pyfftw" or x.dtype in _FFTW_DTYPES:
         return LIBRARY
     return "scipy.fft" if "scipy.fft" in LIBRARIES else "numpy.fft"
+
+
+def direct(x: Any) -> bool:
+    """Whether the transforms of ``x`` write into a given ``out`` directly (FFTW's), not
+    through a copy."""
+    return type(x) is numpy.ndarray and _library(x) == "pyfftw"
 
 
 def _scale(out: Any, n: int, norm: str | None, inverse: bool) -> Any:
@@ -121,14 +127,19 @@ def _fftw(x: Any, out: Any, axes: tuple[int, ...], inverse: bool, destroy: bool)
     return out
 
 
-def _call(x: Any, name: str, overwrite: bool, **kw: Any) -> Any:
-    """SciPy's, NumPy's or CuPy's ``name`` of ``x``."""
+def _call(x: Any, name: str, overwrite: bool, out: Any, **kw: Any) -> Any:
+    """SciPy's, NumPy's or CuPy's ``name`` of ``x`` (copied into ``out`` when given)."""
     if type(x) is numpy.ndarray:
         if _library(x) == "scipy.fft":
-            return getattr(_module("scipy.fft"), name)(x, workers=1, overwrite_x=overwrite,
-                                                       **kw)
-        return getattr(numpy.fft, name)(x, **kw)
-    return getattr(backend.array_module(x).fft, name)(x, **kw)
+            y = getattr(_module("scipy.fft"), name)(x, workers=1, overwrite_x=overwrite, **kw)
+        else:
+            y = getattr(numpy.fft, name)(x, **kw)
+    else:
+        y = getattr(backend.array_module(x).fft, name)(x, **kw)
+    if out is None or out is y:
+        return y
+    out[...] = y
+    return out
 
 
 def _complex_dtype(x: Any) -> numpy.dtype:
@@ -136,56 +147,72 @@ def _complex_dtype(x: Any) -> numpy.dtype:
 
 
 def c2c(x: Any, axes: Sequence[int], norm: str | None, inverse: bool,
-        overwrite: bool = False) -> Any:
-    """Complex transform of ``x`` over ``axes`` (a new array, or ``x`` itself transformed in
-    place when ``overwrite``: then ``x`` may be destroyed)."""
+        overwrite: bool = False, out: Any = None) -> Any:
+    """Complex transform of ``x`` over ``axes``: into ``out`` when given, else a new array,
+    or ``x`` itself transformed in place when ``overwrite`` (then ``x`` may be destroyed)."""
     if not axes:
-        return x
+        if out is None:
+            return x
+        out[...] = x
+        return out
     axes = tuple(axes)
     if type(x) is not numpy.ndarray or _library(x) != "pyfftw":
-        return _call(x, "ifftn" if inverse else "fftn", overwrite, axes=axes, norm=norm)
-    return _scale(_fftw_c2c(x, axes, inverse, overwrite), math.prod(x.shape[a] for a in axes),
-                  norm, inverse)
+        return _call(x, "ifftn" if inverse else "fftn", overwrite, out, axes=axes, norm=norm)
+    return _scale(_fftw_c2c(x, axes, inverse, overwrite, out),
+                  math.prod(x.shape[a] for a in axes), norm, inverse)
 
 
-def _fftw_c2c(x: Any, axes: tuple[int, ...], inverse: bool, overwrite: bool) -> Any:
-    """FFTW's unnormalized complex transform of ``x`` (in place when ``overwrite``)."""
+def _fftw_c2c(x: Any, axes: tuple[int, ...], inverse: bool, overwrite: bool,
+              out: Any = None) -> Any:
+    """FFTW's unnormalized complex transform of ``x``: into ``out``, else in place when
+    ``overwrite``, else into a new array."""
     if x.dtype.kind != "c":  # as NumPy: a real field is a complex one
         x, overwrite = x.astype(_complex_dtype(x)), True
+    if out is None:
+        out = x if overwrite and x.flags.writeable else numpy.empty(x.shape, x.dtype)
     if not axes:
-        return x if overwrite else x.copy()
-    out = x if overwrite and x.flags.writeable else numpy.empty(x.shape, x.dtype)
+        if out is not x:
+            out[...] = x
+        return out
     return _fftw(x, out, axes, inverse, destroy=False)
 
 
-def r2c(x: Any, axes: Sequence[int], norm: str | None) -> Any:
-    """Real-to-complex transform over ``axes``, the real one along ``axes[-1]``."""
+def r2c(x: Any, axes: Sequence[int], norm: str | None, out: Any = None) -> Any:
+    """Real-to-complex transform over ``axes``, the real one along ``axes[-1]`` (into
+    ``out`` when given, else a new array)."""
     axes = tuple(axes)
     if type(x) is not numpy.ndarray or _library(x) != "pyfftw":
-        return _call(x, "rfftn", False, axes=axes, norm=norm)
-    shape = list(x.shape)
-    shape[axes[-1]] = shape[axes[-1]] // 2 + 1
-    out = _fftw(x, numpy.empty(shape, _complex_dtype(x)), axes, False, destroy=False)
+        return _call(x, "rfftn", False, out, axes=axes, norm=norm)
+    if out is None:
+        shape = list(x.shape)
+        shape[axes[-1]] = shape[axes[-1]] // 2 + 1
+        out = numpy.empty(shape, _complex_dtype(x))
+    _fftw(x, out, axes, False, destroy=False)
     return _scale(out, math.prod(x.shape[a] for a in axes), norm, False)
 
 
 def c2r(x: Any, axes: Sequence[int], lengths: Sequence[int], norm: str | None,
-        overwrite: bool = False) -> Any:
-    """Complex-to-real transform over ``axes`` with real lengths ``lengths``."""
+        overwrite: bool = False, out: Any = None, work: Any = None) -> Any:
+    """Complex-to-real transform over ``axes`` with real lengths ``lengths``, into ``out``
+    when given, else a new array. Unless ``overwrite`` (``x`` may be destroyed), FFTW's
+    complex stages go into ``work`` when given (an array of ``x``'s shape and dtype)."""
     axes, lengths = tuple(axes), tuple(lengths)
     if type(x) is not numpy.ndarray or _library(x) != "pyfftw":
-        return _call(x, "irfftn", overwrite, s=lengths, axes=axes, norm=norm)
+        return _call(x, "irfftn", overwrite, out, s=lengths, axes=axes, norm=norm)
     if x.shape[axes[-1]] != lengths[-1] // 2 + 1 or any(
             x.shape[a] != n for a, n in zip(axes[:-1], lengths[:-1])):
         raise ValueError(f"c2r: a spectrum of shape {x.shape} over axes {axes} does not "
                          f"have the modes of real lengths {lengths}")
     # The complex axes first, into an array of ours (unless x is), then the real axis from
     # it, which FFTW may destroy: faster than FFTW's n-d c2r of a copy of x.
-    x = _fftw_c2c(x, axes[:-1], True, overwrite)
-    shape = list(x.shape)
-    shape[axes[-1]] = lengths[-1]
-    real = numpy.empty(shape, numpy.empty(0, x.dtype).real.dtype)
-    out = _fftw(x, real, axes[-1:], True, destroy=True)
+    if x.dtype.kind != "c" or (work is not None and work.dtype != x.dtype):
+        work = None
+    x = _fftw_c2c(x, axes[:-1], True, overwrite, None if overwrite else work)
+    if out is None:
+        shape = list(x.shape)
+        shape[axes[-1]] = lengths[-1]
+        out = numpy.empty(shape, numpy.empty(0, x.dtype).real.dtype)
+    _fftw(x, out, axes[-1:], True, destroy=True)
     return _scale(out, math.prod(lengths), norm, True)
 
 
