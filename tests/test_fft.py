@@ -127,7 +127,7 @@ def test_transformed_axes_of_a_batch_of_fields(layouts):
 @pytest.mark.parametrize("layout", ["slab", "pencil"])
 @pytest.mark.parametrize("norm", [None, "ortho", "forward"])
 @pytest.mark.parametrize("name", ["rfftn", "irfftn", "fftn", "ifftn"])
-def test_adjoint(library, layouts, shape, layout, norm, name):
+def test_adjoint(layouts, shape, layout, norm, name):
     """``<F x, y> == <x, F.backward(y)>`` (real inner product, summed over ranks)."""
     if layout == "pencil" and len(shape) < 3:
         pytest.skip("a pencil needs three axes")
