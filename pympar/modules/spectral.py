@@ -240,15 +240,23 @@ class SpectralConv(Module):
         h = array_module(h).ascontiguousarray(h).reshape(batch, modes, self.in_channels)
         w = self._weight()
         z = _contract(h, w, conj=False).reshape((batch, *kept_shape, self.out_channels))
-        g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), _NORM, True, overwrite=True)
-        g = self._exchange(g, 1, 2, "forward", lengths)
-        for axis in axes:
-            last = axis == d
-            n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
-            g = _pad(g, axis, n, self.modes[axis - 1], last)
+        g = self._padded_spectrum(z, n1, lengths, _NORM, "forward")
         y = c2r(g, axes, lengths, _NORM, overwrite=True)
         self.save_for_backward(h, w, n1, lengths, kept_shape, tuple(x.shape))
         return y
+
+    def _padded_spectrum(self, z: Any, n1: int, lengths: tuple, norm: str,
+                         direction: str) -> Any:
+        """The kept modes ``z`` (x1 whole) as the whole half spectrum in the field's layout:
+        x1 zero-padded and transformed back, exchanged, the other axes zero-padded."""
+        d = len(self.modes)
+        g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), norm, True, overwrite=True)
+        g = self._exchange(g, 1, 2, direction, lengths)
+        for axis in range(2, d + 1):
+            last = axis == d
+            n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
+            g = _pad(g, axis, n, self.modes[axis - 1], last)
+        return g
 
     def _backward_nd(self, dy: Any, h: Any, w: Any, n1: int, lengths: tuple, kept_shape: tuple,
                      x_shape: tuple) -> Any:
@@ -267,12 +275,7 @@ class SpectralConv(Module):
         if not self.input_grad:
             return None
         dh = _contract(dz, w, conj=True).reshape((batch, *kept_shape, self.in_channels))
-        dh = c2c(_pad(dh, 1, n1, self.modes[0], False), (1,), _ADJOINT, True, overwrite=True)
-        dh = self._exchange(dh, 1, 2, "backward", lengths)
-        for axis in axes:
-            last = axis == d
-            n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
-            dh = _pad(dh, axis, n, self.modes[axis - 1], last)
+        dh = self._padded_spectrum(dh, n1, lengths, _ADJOINT, "backward")
         scale_conjugate_pairs(dh, d, lengths[-1], 0.5)
         return c2r(dh, axes, lengths, _ADJOINT, overwrite=True)
 
