@@ -8,8 +8,10 @@ Run under a launcher, one job per rank count::
 Sections of the JSON document:
 
 * ``roundtrip``: per shape, the median seconds of an r2c + c2r round trip of a float64 slab
-  (axis 0 split over the world) with pympar (:mod:`pympar.fft`), mpi4py-fft's ``fftw`` backend
-  and its ``numpy`` backend, in one job and interleaved (skipped with a note when mpi4py-fft
+  (axis 0 split over the world) with pympar (:mod:`pympar.fft`, its local transforms from
+  ``local_library``; also with ``scipy.fft``'s as ``pympar scipy.fft`` when that is another),
+  mpi4py-fft's ``fftw`` backend and its ``numpy`` backend, in one job and interleaved, each
+  writing into arrays made once (pympar's ``out=``, mpi4py-fft's ``forward(a, a_hat)``) (skipped with a note when mpi4py-fft
   is not installed: ``pip install -e .[bench]`` after ``apt-get install libfftw3-dev``);
 * ``bytes``: the bytes of pympar's exchanges per rank as :mod:`pympar.stats` records them,
   against the formula (16 bytes per complex number: the ``n0 x N1 x K`` block going, the
@@ -83,11 +85,28 @@ def roundtrip(shape: tuple[int, ...], group: Any, repeats: int, warmup: int) -> 
     samplers: dict[str, Callable[[], float]] = {}
     errors: dict[str, float] = {}
 
+    # Both libraries write into arrays made once, as mpi4py-fft's forward(a, a_hat) does.
+    spectrum = np.empty(fft.spectral_placement(shape, group, real=True).local_shape, complex)
+    back = np.empty_like(u)
+
     def pympar_trip() -> Any:
-        return fft.irfftn(fft.rfftn(u, group, s=shape), group, s=shape)
+        return fft.irfftn(fft.rfftn(u, group, s=shape, out=spectrum), group, s=shape,
+                          out=back)
+
+    def with_library(library: str) -> Callable[[], Any]:
+        def trip() -> Any:
+            chosen, fft_local.LIBRARY = fft_local.LIBRARY, library
+            try:
+                return pympar_trip()
+            finally:
+                fft_local.LIBRARY = chosen
+        return trip
 
     errors["pympar"] = float(np.max(np.abs(pympar_trip() - u)))
     samplers["pympar"] = lambda: timed_parallel(COMM, pympar_trip)
+    if fft_local.LIBRARY != "scipy.fft" and "scipy.fft" in fft_local.LIBRARIES:
+        # the same round trip with pocketfft's local transforms (pympar without pyFFTW)
+        samplers["pympar scipy.fft"] = lambda: timed_parallel(COMM, with_library("scipy.fft"))
     notes = []
     anchor = _mpi4py_fft()
     if anchor is None:

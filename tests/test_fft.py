@@ -62,13 +62,12 @@ def _inner(a: Any, b: Any) -> float:
     return WORLD.allreduce(float(np.vdot(to_numpy(a), to_numpy(b)).real))
 
 
-@pytest.fixture(params=["scipy.fft", "numpy.fft"])
+@pytest.fixture(params=["pyfftw", "scipy.fft", "numpy.fft"])
 def library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The local transforms of NumPy arrays: SciPy's (when installed) or NumPy's."""
-    if request.param == "scipy.fft" and _local._scipy_fft is None:
-        pytest.skip("SciPy is not installed")
-    if request.param == "numpy.fft":
-        monkeypatch.setattr(_local, "_scipy_fft", None)
+    """The local transforms of NumPy arrays: FFTW's, SciPy's or NumPy's (those installed)."""
+    if request.param not in _local.LIBRARIES:
+        pytest.skip(f"{request.param} is not installed")
+    monkeypatch.setattr(_local, "LIBRARY", request.param)
     return request.param
 
 
@@ -96,7 +95,7 @@ def test_forward_equals_numpy_and_round_trip(library, layouts, shape, layout, dt
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("norm", [None, "backward", "ortho", "forward"])
 @pytest.mark.parametrize("layout", ["slab", "pencil"])
-def test_norms_and_learned_extents(layouts, norm, layout):
+def test_norms_and_learned_extents(library, layouts, norm, layout):
     """Every norm= as NumPy's; without s= the extents are learned in the exchange."""
     groups, shape = layouts[layout], (13, 10, 7)
     full = _field(shape, np.float64, False, seed=1)
@@ -184,3 +183,29 @@ def test_shapes_that_differ_between_ranks_are_refused_on_every_rank(layouts):
     # 8 and 9 real points give 5 modes alike: the label carries the whole extents
     block = np.zeros((2, 6, 8 + (WORLD.rank == 0)))
     raises_everywhere(Exception, "whole extents", fft.rfftn, block, group)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("layout", ["slab", "pencil"])
+def test_out_is_written_and_reused(library, layouts, layout):
+    """``out=`` receives the result (reused across calls); a wrong one is refused everywhere."""
+    groups, shape = layouts[layout], (12, 10, 9)
+    full = _field(shape, np.float64, False, seed=6)
+    x = fft.physical_placement(shape, groups).take(full)
+    spec = fft.spectral_placement(shape, groups, real=True)
+    out = np.empty(spec.local_shape, np.complex128)
+    back = np.empty_like(x)
+    for call in range(2):
+        y = fft.rfftn(x * (call + 1), groups, s=shape, out=out)
+        agree(y is out, "rfftn returned another array than out")
+        _rel_close(y, spec.take(np.fft.rfftn(full * (call + 1))), 1e-12, f"rfftn call {call}")
+        z = fft.irfftn(y, groups, s=shape, out=back)
+        agree(z is back, "irfftn returned another array than out")
+        _rel_close(z, x * (call + 1), 1e-12, f"round trip call {call}")
+    c = fft.ifftn(fft.fftn(x, groups, s=shape), groups, s=shape,
+                  out=np.empty(x.shape, np.complex128))
+    _rel_close(c, x.astype(np.complex128), 1e-12, "ifftn(fftn) into out")
+    wrong = np.empty((out.shape[0] + (WORLD.rank == 0),) + out.shape[1:], np.complex128)
+    raises_everywhere(Exception, "", fft.rfftn, x, groups, s=shape, out=wrong)
+    raises_everywhere(Exception, "", fft.rfftn, x, groups, s=shape,
+                      out=np.empty(spec.local_shape, np.complex64))

@@ -280,11 +280,12 @@ def test_the_documentation_picture_shows_what_the_exchange_delivers(mesh):
 
 def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
     """Small or large, every exchange is checked: one agreement per split axis's group."""
-    from pympar import collectives
+    from pympar import _board
 
     made = []
-    real = collectives.agree
-    monkeypatch.setattr(collectives, "agree", lambda *a: made.append(a) or real(*a))
+    for board in (_board.Board, _board.MessageBoard):  # every check ends in a board's
+        monkeypatch.setattr(board, "agree", lambda self, *a, real=board.agree:
+                            made.append(a) or real(self, *a))
     d = Decomposition((16, 24), split(mesh, "grid"), True)
     full = field((16, 24), seed=2)
     want = my_padded_block(padded_reference(full, ((1, 1), (1, 1)), d.periodic), d,

@@ -10,9 +10,10 @@ forward/backward pair like the mappings of :mod:`pympar.mappings`: ``F.backward`
 adjoint of ``F``, so a layer can put an FFT in its forward and the adjoint in its backward.
 
 Every transpose is one :func:`pympar.collectives.all_to_all` (one MPI call, its agreement
-check included); the local transforms are ``scipy.fft``'s at ``workers=1`` when SciPy is
-installed, else NumPy's, and ``cupy.fft``'s for CuPy arrays (see :mod:`pympar.fft._local`
-for why).
+check included); the local transforms are FFTW's through pyFFTW when installed, else
+``scipy.fft``'s at ``workers=1`` when SciPy is installed, else NumPy's, and ``cupy.fft``'s for
+CuPy arrays (see :mod:`pympar.fft._local` for why). ``out=`` takes a reused array for the
+result; the intermediates live in the group's reused scratch arrays.
 
 Examples
 --------

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .. import collectives
+import numpy
+
+from .. import backend, collectives
 from ..debug import CollectiveMismatchError
 from ..group import Group
 from ..partition import Placement, Split, balanced_sizes
-from ._local import ADJOINT_NORM, NORMS, c2c, c2r, r2c, scale_conjugate_pairs
+from ._local import ADJOINT_NORM, NORMS, c2c, c2r, direct, r2c, scale_conjugate_pairs
 
 __all__ = ["FFTPair", "rfftn", "irfftn", "fftn", "ifftn", "physical_placement",
            "spectral_placement", "spectral_shape"]
@@ -76,7 +78,7 @@ class _Call:
     """One validated call: the groups, axes, norm and (when known) global lengths."""
 
     def __init__(self, name: str, x: Any, groups: Any, axes: Any, norm: Any, s: Any,
-                 real: bool, spectral_input: bool) -> None:
+                 real: bool, spectral_input: bool, out: Any = None) -> None:
         self.name, self.real = name, real
         self.groups = _groups(groups)
         try:
@@ -95,6 +97,8 @@ class _Call:
             self.lengths = None if s is None else tuple(int(n) for n in s)
             if self.lengths is not None:
                 self._check_extents(x, spectral_input)
+            if out is not None:
+                self._check_out(x, out, spectral_input)
             # The exchanges' label carries the whole axes' extents and s=, which the
             # agreement check then compares: a real transform maps lengths 2k and 2k + 1 to
             # one spectrum, so the exchanged shapes alone would not tell them apart.
@@ -129,6 +133,27 @@ class _Call:
                     f"{want}; the field must be split as pympar.fft."
                     f"{'spectral' if spectral_input else 'physical'}_placement says")
 
+    def _check_out(self, x: Any, out: Any, spectral_input: bool) -> None:
+        """Refuse an ``out`` that cannot hold this rank's block of the result."""
+        if spectral_input and self.real:
+            dtype = numpy.empty(0, x.dtype).real.dtype
+        else:
+            dtype = numpy.result_type(x.dtype, numpy.complex64)
+        if type(out) is not type(x) or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: out must be a C-contiguous {type(x).__name__} of "
+                             f"dtype {dtype}, got {type(out).__name__} {out.dtype}")
+        shape = list(x.shape)
+        for k, axis in enumerate(self.axes):
+            n = None if self.lengths is None else (
+                self.lengths[k] if spectral_input else self.spectral_length(k))
+            split = k if spectral_input else k - 1
+            group = self.groups[split] if 0 <= split < len(self.groups) else None
+            if n is not None:
+                shape[axis] = n if group is None else balanced_sizes(n, group.size)[group.rank]
+        if self.lengths is not None and tuple(out.shape) != tuple(shape) or out.ndim != x.ndim:
+            raise ValueError(f"{self.name}: out has shape {tuple(out.shape)}; this rank's block "
+                             f"of the result has shape {tuple(shape)}")
+
     def spectral_length(self, k: int) -> int | None:
         """The global extent of the spectrum along ``axes[k]`` (None when not known)."""
         if self.lengths is None:
@@ -143,15 +168,30 @@ class _Call:
             if group.size > 1:
                 collectives.refuse(group, self.name, err)
 
+    def scratch(self, slot: str, shape: Sequence[int], like: Any, dtype: Any = None) -> Any:
+        """A reused array of ``like``'s module (and dtype, unless given) for an intermediate
+        of the call (the first group's scratch; never returned to the caller)."""
+        return self.groups[0]._state.scratch(
+            f"fft.{slot}", tuple(shape), like.dtype if dtype is None else dtype, like)
+
     def exchange(self, y: Any, index: int, step: int, split: int, concat: int,
-                 extent: int | None) -> Any:
-        """The all-to-all over ``groups[index]`` (the ``step``-th exchange of the call)."""
+                 extent: int | None, out: Any = None, reuse: bool = False) -> Any:
+        """The all-to-all over ``groups[index]`` (the ``step``-th exchange of the call), into
+        ``out``, else (``reuse``, an intermediate of known extent) a scratch array."""
         group = self.groups[index]
         if group.size == 1:
-            return y
+            if out is None:
+                return y
+            out[...] = y
+            return out
         sizes = None if extent is None else balanced_sizes(extent, group.size)
+        if out is None and reuse and sizes is not None:
+            shape = list(y.shape)
+            shape[split], shape[concat] = balanced_sizes(y.shape[split], group.size)[
+                group.rank], extent
+            out = self.scratch(f"exchange{step}", shape, y)
         try:
-            return collectives.all_to_all(group, y, split, concat, None, sizes, self.label)
+            return collectives.all_to_all(group, y, split, concat, out, sizes, self.label)
         except (TypeError, ValueError, CollectiveMismatchError) as err:
             self.refuse(step + 1, err)
             raise
@@ -163,36 +203,60 @@ def _splits(call: _Call) -> int:
     return len(call.groups) if any(g.size > 1 for g in call.groups) else 0
 
 
-def _to_spectral(call: _Call, x: Any, double_pairs: bool = False) -> Any:
+def _to_spectral(call: _Call, x: Any, double_pairs: bool = False, out: Any = None) -> Any:
+    """The forward steps; intermediates in scratch arrays, the result in ``out`` or a new
+    array (never a scratch one: every exchange but the last makes a new array)."""
     axes, norm, splits = call.axes, call.norm, _splits(call)
     whole = axes[splits:]
     if call.real:
-        y = r2c(x, whole, norm)
+        shape = list(x.shape)
+        shape[axes[-1]] = shape[axes[-1]] // 2 + 1
+        y = r2c(x, whole, norm, out if splits == 0 else
+                call.scratch("r2c", shape, x, _complex_dtype(x)) if direct(x) else None)
         if double_pairs:  # the adjoint of irfftn along the real axis (whole here)
             scale_conjugate_pairs(y, axes[-1], x.shape[axes[-1]], 2.0)
     else:
-        y = c2c(x, whole, norm, inverse=False)
+        y = c2c(x, whole, norm, inverse=False, out=out if splits == 0 else None)
     for step, i in enumerate(reversed(range(splits))):
+        last = step == splits - 1
         y = call.exchange(y, i, step, axes[i + 1], axes[i],
-                          None if call.lengths is None else call.lengths[i])
-        y = c2c(y, (axes[i],), norm, inverse=False, overwrite=True)  # y is ours
+                          None if call.lengths is None else call.lengths[i],
+                          out if last else None)
+        y = c2c(y, (axes[i],), norm, inverse=False, overwrite=True,  # y is ours
+                out=y if last and out is not None else None)  # out must hold the result
     return y
 
 
-def _to_physical(call: _Call, y: Any, halve_pairs: bool = False) -> Any:
+def _complex_dtype(x: Any) -> Any:
+    return numpy.result_type(x.dtype, numpy.complex64)
+
+
+def _to_physical(call: _Call, y: Any, halve_pairs: bool = False, out: Any = None) -> Any:
+    """The inverse steps; intermediates in scratch arrays (every exchange's output is one),
+    the result in ``out`` or a new array."""
     axes, norm, splits = call.axes, call.norm, _splits(call)
     for i in range(splits):
-        y = c2c(y, (axes[i],), norm, inverse=True, overwrite=i > 0)  # the input is the caller's
-        y = call.exchange(y, i, splits - 1 - i, axes[i], axes[i + 1], call.spectral_length(i + 1))
+        # the caller's input: transformed out of place (into scratch where that is direct)
+        first = i == 0 and y.dtype.kind == "c" and direct(y)
+        y = c2c(y, (axes[i],), norm, inverse=True, overwrite=i > 0,
+                out=call.scratch("c2c", y.shape, y) if first else None)
+        y = call.exchange(y, i, splits - 1 - i, axes[i], axes[i + 1],
+                          call.spectral_length(i + 1), reuse=True)
     whole = axes[splits:]
-    if not call.real:
-        return c2c(y, whole, norm, inverse=True, overwrite=splits > 0)
+    if not call.real:  # out of place: y may be a scratch array
+        if out is None:
+            out = backend.array_module(y).empty(y.shape, _complex_dtype(y))
+        return c2c(y, whole, norm, inverse=True, out=out)
     n = call.lengths[-1] if call.lengths is not None else 2 * (y.shape[axes[-1]] - 1)
-    if halve_pairs:  # the adjoint of rfftn along the real axis (whole here)
-        y = y.copy() if splits == 0 else y
+    if halve_pairs and splits == 0:  # the adjoint of rfftn along the real axis (whole here)
+        work = call.scratch("halved", y.shape, y)
+        work[...] = y
+        y = work
+    if halve_pairs:
         scale_conjugate_pairs(y, axes[-1], n, 0.5)
-    return c2r(y, whole, [y.shape[a] for a in whole[:-1]] + [n], norm,
-               overwrite=splits > 0 or halve_pairs)
+    owned = splits > 0 or halve_pairs
+    return c2r(y, whole, [y.shape[a] for a in whole[:-1]] + [n], norm, overwrite=owned,
+               out=out, work=None if owned or not direct(y) else call.scratch("c2r", y.shape, y))
 
 
 class FFTPair:
@@ -218,7 +282,8 @@ class FFTPair:
         return f"pympar.fft.{self.name}"
 
     def __call__(self, x: Any, groups: Groups, axes: Sequence[int] | None = None,
-                 norm: str | None = None, s: Sequence[int] | None = None) -> Any:
+                 norm: str | None = None, s: Sequence[int] | None = None,
+                 out: Any = None) -> Any:
         """Transform ``x``, this rank's block (see the module docstring for the layouts).
 
         Parameters
@@ -237,14 +302,20 @@ class FFTPair:
             The field's global lengths along ``axes``; checked against every rank's block.
             For ``irfftn`` it gives the real length of the last axis (default even, as
             NumPy's). Without it the ranks' extents are learned in the exchange.
+        out : array, optional
+            Where to write this rank's block of the result: C-contiguous, of ``x``'s
+            library, of the result's dtype and (with ``s=``, checked on every rank) shape.
+            Reusing one spares the allocation of a large result, whose first touch of
+            fresh pages can cost as much as a transform.
 
         Returns
         -------
         array
-            This rank's block of the result, a new array of ``x``'s library.
+            This rank's block of the result: ``out``, or a new array of ``x``'s library.
         """
-        call = _Call(self.name + ".forward", x, groups, axes, norm, s, self.real, self.inverse)
-        return _to_physical(call, x) if self.inverse else _to_spectral(call, x)
+        call = _Call(self.name + ".forward", x, groups, axes, norm, s, self.real, self.inverse,
+                     out)
+        return _to_physical(call, x, out=out) if self.inverse else _to_spectral(call, x, out=out)
 
     def backward(self, dy: Any, groups: Groups, axes: Sequence[int] | None = None,
                  norm: str | None = None, s: Sequence[int] | None = None) -> Any:

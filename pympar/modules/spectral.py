@@ -244,15 +244,23 @@ class SpectralConv(Module):
         h = array_module(h).ascontiguousarray(h).reshape(batch, modes, self.in_channels)
         w = self._weight()
         z = _contract(h, w, conj=False).reshape((batch, *kept_shape, self.out_channels))
-        g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), _NORM, True, overwrite=True)
-        g = self._exchange(g, 1, 2, "forward", lengths)
-        for axis in axes:
-            last = axis == d
-            n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
-            g = _pad(g, axis, n, self.modes[axis - 1], last)
+        g = self._padded_spectrum(z, n1, lengths, _NORM, "forward")
         y = c2r(g, axes, lengths, _NORM, overwrite=True)
         self.save_for_backward(h, w, n1, lengths, kept_shape, tuple(x.shape))
         return y
+
+    def _padded_spectrum(self, z: Any, n1: int, lengths: tuple, norm: str,
+                         direction: str) -> Any:
+        """The kept modes ``z`` (x1 whole) as the whole half spectrum in the field's layout:
+        x1 zero-padded and transformed back, exchanged, the other axes zero-padded."""
+        d = len(self.modes)
+        g = c2c(_pad(z, 1, n1, self.modes[0], False), (1,), norm, True, overwrite=True)
+        g = self._exchange(g, 1, 2, direction, lengths)
+        for axis in range(2, d + 1):
+            last = axis == d
+            n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
+            g = _pad(g, axis, n, self.modes[axis - 1], last)
+        return g
 
     def _backward_nd(self, dy: Any, h: Any, w: Any, n1: int, lengths: tuple, kept_shape: tuple,
                      x_shape: tuple) -> Any:
@@ -271,12 +279,7 @@ class SpectralConv(Module):
         if not self.input_grad:
             return None
         dh = _contract(dz, w, conj=True).reshape((batch, *kept_shape, self.in_channels))
-        dh = c2c(_pad(dh, 1, n1, self.modes[0], False), (1,), _ADJOINT, True, overwrite=True)
-        dh = self._exchange(dh, 1, 2, "backward", lengths)
-        for axis in axes:
-            last = axis == d
-            n = lengths[axis - 2] // 2 + 1 if last else lengths[axis - 2]
-            dh = _pad(dh, axis, n, self.modes[axis - 1], last)
+        dh = self._padded_spectrum(dh, n1, lengths, _ADJOINT, "backward")
         scale_conjugate_pairs(dh, d, lengths[-1], 0.5)
         return c2r(dh, axes, lengths, _ADJOINT, overwrite=True)
 
@@ -344,43 +347,42 @@ def _modes(d: int, modes: int | Sequence[int]) -> tuple[int, ...]:
     return modes
 
 
-class SpectralConv1d(SpectralConv):
+class _SpectralConvNd(SpectralConv):
+    """A :class:`SpectralConv` of fields of :attr:`dims` dimensions (one class per count)."""
+
+    dims = 0
+
+    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
+                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
+                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
+        super().__init__(in_channels, out_channels, _modes(self.dims, modes), group, dtype, seed,
+                         xp, input_grad)
+
+
+class SpectralConv1d(_SpectralConvNd):
     """Spectral convolution of 1-D fields ``(batch, x1, channels)``; ``modes`` an int.
 
     See :class:`SpectralConv` for the parameters.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
-                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
-                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__(in_channels, out_channels, _modes(1, modes), group, dtype, seed, xp,
-                         input_grad)
+    dims = 1
 
 
-class SpectralConv2d(SpectralConv):
+class SpectralConv2d(_SpectralConvNd):
     """Spectral convolution of 2-D fields ``(batch, x1, x2, channels)``; ``modes`` an int or
     two ints.
 
     See :class:`SpectralConv` for the parameters.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
-                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
-                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__(in_channels, out_channels, _modes(2, modes), group, dtype, seed, xp,
-                         input_grad)
+    dims = 2
 
 
-class SpectralConv3d(SpectralConv):
+class SpectralConv3d(_SpectralConvNd):
     """Spectral convolution of 3-D fields ``(batch, x1, x2, x3, channels)``; ``modes`` an int
     or three ints.
 
     See :class:`SpectralConv` for the parameters.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, modes: int | Sequence[int],
-                 group: Group | None = None, dtype: Any = numpy.float32, seed: int = 0,
-                 xp: ModuleType | None = None, input_grad: bool = True) -> None:
-        super().__init__(in_channels, out_channels, _modes(3, modes), group, dtype, seed, xp,
-                         input_grad)
-
+    dims = 3
