@@ -45,15 +45,11 @@ $(STAMP): setup.cfg pyproject.toml
 # `make test PYMPAR_FAKE_CUPY=0` uses the real CuPy instead (scripts/gpu_check.sh does).
 test: export PYMPAR_FAKE_CUPY ?= 1
 
-# The suite once without a launcher (a singleton MPI world), then on 2, 4 and 8 ranks.
+# The suite once without a launcher (a singleton MPI world), then on 2, 4 and 8 ranks: every
+# phase runs, and a closing table says which passed (scripts/test_phases.sh).
 # python -m mpi4py aborts the whole job when one rank raises, instead of hanging.
 test: install
-	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout --kill-after=10 $(LAUNCH_TIMEOUT) \
-		$(PY) -m mpi4py $(PYTEST)
-	for n in $(TEST_RANKS); do \
-		echo "== pytest on $$n ranks =="; \
-		scripts/mpirun.sh $$n $(PY) -m mpi4py $(PYTEST) || exit 1; \
-	done
+	scripts/test_phases.sh $(PY) "$(TEST_RANKS)" $(PYTEST)
 
 # The sbatch scripts of examples/slurm under a real one-node Slurm (as root on Debian-like
 # machines: slurm-wlm and munge from apt); says "test-slurm: SKIPPED" where it cannot run.

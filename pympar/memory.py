@@ -48,8 +48,8 @@ def gradient_bytes(params: Module | Iterable[Parameter], optimizer: Any = None) 
     """Bytes of the parameters' gradients on this rank.
 
     With a :class:`~pympar.zero.ZeroRedundancyOptimizer`, its float32 gradient shares of
-    half-precision parameters (``4/d`` bytes per parameter, sized for rank 0's share, the
-    largest under the balanced split) are added.
+    half-precision parameters (``4/d`` bytes per parameter, sized for the largest rank's share
+    in each bucket) are added.
     """
     grads = [p.grad for p in as_parameter_list(params)]
     if isinstance(optimizer, ZeroRedundancyOptimizer):

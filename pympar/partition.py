@@ -96,17 +96,27 @@ class Split:
         This rank's piece (its rank in that group).
     stride : int, default 1
         Fused sub-arrays along the axis; see :func:`strided_slices`.
+    sizes : tuple of int, default ()
+        Explicit extents of the ``parts`` pieces, in order, instead of the balanced rule
+        (stride 1 only). :class:`pympar.zero.ZeroRedundancyOptimizer` uses it: its shares
+        are balanced over the whole optimizer state, not parameter by parameter.
     """
 
     axis: int
     parts: int
     index: int
     stride: int = 1
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(n) for n in self.sizes))
         if self.parts < 1 or self.stride < 1 or not 0 <= self.index < self.parts or self.axis < 0:
             raise ValueError(f"invalid {self!r}: need axis >= 0, parts >= 1, stride >= 1 and "
                              "0 <= index < parts")
+        if self.sizes and (len(self.sizes) != self.parts or self.stride != 1
+                           or min(self.sizes) < 0):
+            raise ValueError(f"invalid {self!r}: explicit sizes need one extent >= 0 per part "
+                             "and stride 1")
 
     @classmethod
     def over(cls, group: Any, axis: int, stride: int = 1) -> "Split":
@@ -117,8 +127,16 @@ class Split:
 def _cut(ranges: list[slice], split: Split) -> list[slice]:
     """Cut the concatenation of global ``ranges`` by ``split``; return the global ranges kept."""
     length = sum(r.stop - r.start for r in ranges)
+    if split.sizes:
+        if sum(split.sizes) != length:
+            raise ValueError(f"{split!r}: the sizes add up to {sum(split.sizes)}, the axis "
+                             f"holds {length}")
+        start = sum(split.sizes[:split.index])
+        wanted = [slice(start, start + split.sizes[split.index])]
+    else:
+        wanted = strided_slices(length, split.parts, split.index, split.stride)
     kept = []
-    for local in strided_slices(length, split.parts, split.index, split.stride):
+    for local in wanted:
         # Map the local range [local.start, local.stop) of the concatenation back to globals.
         offset = 0
         for r in ranges:

@@ -1,10 +1,13 @@
 """Sharded optimizer state (ZeRO stage 1): ``ZeroRedundancyOptimizer``.
 
-Each rank of a data-parallel group of size ``d`` owns a *share* of every parameter: block
-``rank`` of its first axis split with the balanced rule of :mod:`pympar.partition`. The wrapped
-optimizer (e.g. :class:`pympar.optim.AdamW`) runs on the shares only, so its state costs
-``1/d`` of the unsharded one. A step reduce-scatters the gradients (instead of all-reducing
-them), updates the share, and all-gathers the parameters.
+Each rank of a data-parallel group of size ``d`` owns a *share* of every parameter: a
+contiguous block of rows (of its first axis), possibly empty. The blocks are balanced over the
+whole flat state rather than parameter by parameter (:func:`share_rows`): every rank holds
+within one row of ``1/d`` of all the elements, a row being that of the widest parameter
+(``size / shape[0]``). The wrapped optimizer (e.g. :class:`pympar.optim.AdamW`) runs on the
+shares only, so its state costs ``1/d`` of the unsharded one, plus at most that row. A step
+reduce-scatters the gradients (instead of all-reducing them), updates the share, and
+all-gathers the parameters.
 
 Half-precision parameters (float16, bfloat16) get float32 master weights for their share;
 their gradients are reduced in float32 and the update is done on the masters, then rounded
@@ -13,17 +16,22 @@ once into the parameters.
 The state keeps the plain optimizers' format (``"type"`` is the wrapped class, so ZeRO over
 AdamW and AdamW load each other's state): ``state_dict()`` gathers it (collective),
 ``local_state_dict()`` is this rank's share at ``state_placements()``, which is what
-:mod:`pympar.checkpoint` writes and reads, never gathering.
+:mod:`pympar.checkpoint` writes and reads, never gathering. A checkpoint holds every array
+whole, in the serial layout, so it does not depend on how the shares are cut: checkpoints
+written under the earlier row-by-row split load unchanged.
 
 Communication is bucketed: per bucket, a ``(d, width)`` buffer whose row ``k`` holds rank
 ``k``'s share of every member parameter, so that a single ``reduce_scatter`` / ``all_gather``
-along axis 0 (even blocks) moves a whole bucket. ``width`` is rank 0's total, the largest under
-the balanced rule; the shorter rows are zero-padded.
+along axis 0 (even blocks) moves a whole bucket. ``width`` is the largest rank's total in the
+bucket; the shorter rows are zero-padded.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
+
+import numpy as np
 
 from . import manager
 from ._optim_state import ShardedStateMixin
@@ -32,9 +40,9 @@ from .modules.core import Module, as_parameter_list
 from .modules.parameter import Parameter
 from .collectives import agree, label
 from .optim import AdamW, Optimizer, flat_label
-from .partition import Split, block_slice
+from .partition import Split
 
-__all__ = ["ZeroRedundancyOptimizer", "default_group", "per_param_state"]
+__all__ = ["ZeroRedundancyOptimizer", "default_group", "per_param_state", "share_rows"]
 
 
 def default_group() -> Any:
@@ -62,6 +70,53 @@ def per_param_state(optimizer: Optimizer) -> dict[str, list]:
             if name != "params" and isinstance(value, list) and len(value) == n}
 
 
+def share_rows(shapes: Iterable[tuple[int, ...]], parts: int) -> list[tuple[int, ...]]:
+    """How many rows of each parameter every rank's share holds, balanced over all of them.
+
+    Each parameter's rows are dealt as :func:`pympar.partition.balanced_sizes` would, except
+    that its ``n % parts`` remainder rows go to the ranks holding the fewest elements so far
+    (ties to the lower rank), not always to the first ranks. Rank ``k`` then holds rows
+    ``sum(sizes[:k]) .. sum(sizes[:k + 1])`` of the parameter.
+
+    Parameters
+    ----------
+    shapes : iterable of tuple of int
+        The parameters' shapes, in order (each at least 1-d).
+    parts : int
+        The number of ranks (>= 1).
+
+    Returns
+    -------
+    list of tuple of int
+        Per parameter, the rows of every rank (``parts`` entries adding up to ``shape[0]``).
+
+    Notes
+    -----
+    Every remainder row goes to a rank with the fewest elements, so the largest and smallest
+    totals never differ by more than the widest row (list scheduling): every rank holds
+    within one row of ``1/parts`` of the elements. Shapes ``[(9, 8), (7, 8), (5, 8), (3, 8)]``
+    over 8 ranks give every rank 3 rows (24 elements), where splitting each parameter by
+    itself gives rank 0 five rows of them (21% of the elements, not 12.5%).
+
+    Examples
+    --------
+    >>> share_rows([(9, 8), (7, 8)], 4)
+    [(3, 2, 2, 2), (1, 2, 2, 2)]
+    """
+    loads = np.zeros(int(parts), dtype=np.int64)
+    out = []
+    for shape in shapes:
+        rows = int(shape[0])
+        width = math.prod(shape[1:])
+        q, r = divmod(rows, int(parts))
+        sizes = np.full(int(parts), q, dtype=np.int64)
+        # The r least-loaded ranks (a stable sort: ties to the lower rank) take one row more.
+        sizes[np.argsort(loads, kind="stable")[:r]] += 1
+        loads += sizes * width
+        out.append(tuple(int(n) for n in sizes))
+    return out
+
+
 class _Bucket:
     """Members of one communication bucket and, per rank, where their shares sit in a row."""
 
@@ -69,7 +124,7 @@ class _Bucket:
                  width: int, xp: Any, dtype: Any, reduce_dtype: Any, name: str) -> None:
         self.members = members    # parameter indices
         self.rows = rows          # rows[k] = [(param index, flat start in param, size), ...]
-        self.width = width        # elements per row (rank 0's total)
+        self.width = width        # elements per row (the largest rank's total)
         self.xp, self.dtype, self.reduce_dtype = xp, dtype, reduce_dtype
         # The label of its collectives: ranks whose buckets differ raise instead of mixing.
         self.name = name
@@ -104,7 +159,8 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
         later, ``requires_grad = False``, is skipped by :meth:`step`, its state kept).
     shares : list of Parameter
         This rank's share of each parameter, with ``placement`` =
-        ``param.placement.then(Split(0, d, rank))``. Its ``data`` is a view of the parameter's
+        ``param.placement.then(Split(0, d, rank, sizes=...))``, its rows given by
+        :func:`share_rows`. Its ``data`` is a view of the parameter's
         rows, or the float32 master for a half-precision parameter.
     masters : list of bool
         Per parameter, whether its share has a float32 master (half-precision parameters).
@@ -152,7 +208,8 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
                              f"on ranks {bad})")
         d = self.group.size
         # Every rank's share of every parameter: its rows, as a slice of the first axis.
-        self._rows = [[block_slice(p.shape[0], d, k) for k in range(d)] for p in self.params]
+        self._sizes = share_rows([p.shape for p in self.params], d)
+        self._rows = [_slices(sizes) for sizes in self._sizes]
         self.masters = [accumulation_dtype(p.dtype) != p.dtype for p in self.params]
         self.shares = [self._make_share(i, p) for i, p in enumerate(self.params)]
         self._buckets = self._plan(int(bucket_bytes))
@@ -169,8 +226,8 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
     # -- construction ------------------------------------------------------------------
     def _make_share(self, i: int, p: Parameter) -> Parameter:
         d, me = self.group.size, self.group.rank
-        rows = block_slice(p.shape[0], d, me)
-        placement = p.placement.then(Split(0, d, me))
+        rows = self._rows[i][me]
+        placement = p.placement.then(Split(0, d, me, sizes=self._sizes[i]))
         if self.masters[i]:
             data = p.data[rows].astype(accumulation_dtype(p.dtype))
         else:
@@ -206,7 +263,7 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
                 layout.append((i, offset, size))
                 offset += size
             rows.append(layout)
-        width = sum(size for _, _, size in rows[0])
+        width = max(sum(size for _, _, size in row) for row in rows)
         return _Bucket(members, rows, width, xp, dtype, reduce_dtype,
                        flat_label("ZeroRedundancyOptimizer", [self.params[i] for i in members]))
 
@@ -341,3 +398,9 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
             for i, offset, size in bucket.rows[k]:
                 target = self.params[i].data[self._rows[i][k]]
                 target[...] = recv[k, offset: offset + size].reshape(target.shape)
+
+
+def _slices(sizes: tuple[int, ...]) -> list[slice]:
+    """Consecutive slices of the given extents."""
+    ends = np.cumsum((0, *sizes))
+    return [slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]

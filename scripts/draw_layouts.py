@@ -356,10 +356,11 @@ def draw_ring(path: str, ranks: int = 4, seq: int = 16) -> bool:
                 fontsize=8)
     for r in range(ranks):
         ax.text(-0.15, ranks - 1 - r + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
-    ax.set_title(f"Ring schedule, {ranks} ranks: rank r keeps Q of its rows and at step t\n"
-                 f"works on the K,V block of rank (r - t) mod {ranks}, which it then sends to "
-                 f"r + 1\n(the last rank sends to rank 0; backward sends dK,dV one step "
-                 "behind)", fontsize=8.5)
+    # Short lines: the panel is narrow (equal aspect), and a wider title is clipped.
+    ax.set_title(f"Ring schedule, {ranks} ranks: rank r keeps Q of its rows;\n"
+                 f"at step t it works on the K,V block of rank (r - t) mod {ranks},\n"
+                 "then sends it to r + 1 (the last rank to rank 0);\n"
+                 "backward sends dK,dV one step behind", fontsize=8.5)
     ax.set_xlim(-1.1, ranks * 1.6)
     ax.set_ylim(-0.7, ranks + 0.5)
     ax.set_aspect("equal")

@@ -78,3 +78,18 @@ def test_bad_split_and_shape_raise():
         Placement((4,), (Split(1, 2, 0),))
     with pytest.raises(ValueError, match="full array of shape"):
         Placement((4, 2)).take(np.zeros((2, 4)))
+
+
+def test_explicit_sizes_cut_consecutive_blocks_also_of_a_cut_shard():
+    full = np.arange(13 * 2 * 4).reshape(13 * 2, 4)
+    sizes = (0, 6, 1, 6)  # of the 13 rows of a half (Split(0, 2, 1) first), some empty
+    starts = np.cumsum((0,) + sizes)
+    for k in range(4):
+        placement = Placement(full.shape, (Split(0, 2, 1), Split(0, 4, k, sizes=sizes)))
+        assert placement.local_shape == (sizes[k], 4)
+        np.testing.assert_array_equal(placement.take(full),
+                                      full[13 + starts[k]:13 + starts[k + 1]])
+    with pytest.raises(ValueError, match="one extent >= 0 per part"):
+        Split(0, 3, 0, sizes=(1, 2))
+    with pytest.raises(ValueError, match="add up to 12, the axis holds 13"):
+        Placement((26, 4), (Split(0, 2, 0), Split(0, 2, 0, sizes=(6, 6)))).local_shape

@@ -13,7 +13,7 @@ from pympar.modules import (GELU, ColumnParallelLinear, Linear, Parameter, RowPa
                             Sequential)
 from pympar.optim import AdamW, allreduce_gradients
 from pympar.partition import Split
-from pympar.zero import ZeroRedundancyOptimizer
+from pympar.zero import ZeroRedundancyOptimizer, share_rows
 
 # HIDDEN / TP and FEATURES split unevenly over DP; FEATURES < 8 leaves some ranks an empty share.
 FEATURES, HIDDEN, BATCH, STEPS = 5, 42, 16, 50
@@ -106,11 +106,11 @@ def test_zero_state_bytes_follow_formula(tp):
         model = MLP(np.float32)
         opt = ZeroRedundancyOptimizer(model.params, AdamW, lr=1e-3, bucket_bytes=2048)
         d, r = dp.size, dp.rank
-        exact = sum(8 * (block(p.shape[0], d, r).stop - block(p.shape[0], d, r).start)
-                    * (p.size // p.shape[0]) for p in model.params)
+        rows = share_rows([p.shape for p in model.params], d)
+        exact = sum(8 * n[r] * (p.size // p.shape[0]) for n, p in zip(rows, model.params))
         formula = 8 * sum(p.size for p in model.params) / d
-        # Balanced splits leave rank shares at most one row apart: that is the fixed overhead.
-        overhead = 8 * sum(p.size // p.shape[0] for p in model.params)
+        # Shares balanced over the whole state: every rank within one (widest) row of 1/d.
+        overhead = 8 * max(p.size // p.shape[0] for p in model.params)
         got = optimizer_bytes(opt)
         agree(got == exact, f"optimizer bytes {got} != 8 x share = {exact}")
         agree(abs(got - formula) <= overhead,
@@ -145,18 +145,19 @@ def test_zero_mixed_precision_update_matches_fp32_masters():
             m.grad = sum(g.astype(np.float32) for g in grads) / np.float32(d)
         opt.step(grad_scale=1.0)
         ref.step()
+    sizes = share_rows(shapes, d)
     for i, (p, m, share) in enumerate(zip(params, masters, opt.shares)):
-        rows = block(p.shape[0], d, r)
+        rows = slice(sum(sizes[i][:r]), sum(sizes[i][:r + 1]))
         assert_close(share.data, m.data[rows], rtol=1e-6, atol=1e-7, what=f"master {i}")
         agree(share.data.dtype == np.float32, f"master dtype {share.data.dtype}")
-        agree(share.placement == p.placement.then(Split(0, d, r)), "share placement")
+        agree(share.placement == p.placement.then(Split(0, d, r, sizes=sizes[i])),
+              "share placement")
         # Parameters are the masters rounded once; float32 sums in another order may round
         # to the neighbouring bfloat16, never further.
         diff = np.abs(to_numpy(p.data).astype(np.float32) - m.data.astype(bf16).astype(np.float32))
         agree(np.all(diff <= 2.0**-7 * np.abs(m.data) + 1e-30), f"param {i} off by {diff.max()}")
-    assert_equal(optimizer_bytes(opt), sum(12 * (block(p.shape[0], d, r).stop
-                                                  - block(p.shape[0], d, r).start)
-                                           * (p.size // p.shape[0]) for p in params),
+    assert_equal(optimizer_bytes(opt), sum(12 * n[r] * (p.size // p.shape[0])
+                                           for n, p in zip(sizes, params)),
                  what="Adam moments + masters: 12 bytes per share element")
 
 
