@@ -15,8 +15,11 @@ making different calls meet in the same exchange instead of waiting in two.
   is after every rank finished reading the words of ``k``.
 * :class:`MessageBoard` (ranks on several nodes): one 8-byte ``Iallgather`` per check.
 
-A rank that never comes leaves the others waiting until ``PYMPAR_TIMEOUT`` (for ever
-without one, as in the MPI call that follows). A waiting rank yields its core after a
+A rank that never comes leaves the others waiting until the watchdog's ``PYMPAR_TIMEOUT``;
+on a shared board the error names the ranks whose words are missing. A rank that ends
+(:func:`depart`, at the end of the program) writes a word no check reaches into its next
+check's slot (sends :data:`DEPARTED` on a message board): a rank waiting for it raises
+:class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields its core after a
 short tight spin and drives MPI's progress engine (one ``Iprobe`` per look): the rank it
 waits for may be in a send that needs this rank's earlier receive to progress.
 """
@@ -28,14 +31,15 @@ import mmap
 import os
 import secrets
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import timeout_error, wait
+from .errors import ended_error, timeout_error, wait
 
-__all__ = ["Board", "MessageBoard", "create", "REFUSED"]
+__all__ = ["Board", "MessageBoard", "create", "depart", "REFUSED", "DEPARTED"]
 
 #: Where the shared boards' files are made (memory-backed on Linux); without it, messages.
 SHARED_DIR = "/dev/shm"
@@ -46,7 +50,11 @@ SHARED = True
 _TIGHT = 200
 #: The signature of a rank that refuses its own arguments (calls' signatures are odd).
 REFUSED = 0
+#: The signature a rank that ended sends on a message board.
+DEPARTED = 2
 _LAST = 2**32 - 2  # the last check count before wrapping to 1 (even: parities alternate)
+_GONE = 2**32 - 1  # the count field of an ended rank's word: no check reaches it
+_LIVE: Any = weakref.WeakSet()  # the boards not yet freed, for depart()
 _NAME_BYTES = 256
 # Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
 _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
@@ -55,7 +63,7 @@ _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 class Board:
     """One group's shared words (``memory``: ``2 * size`` zeroed 64-bit words)."""
 
-    __slots__ = ("memory", "slots", "size", "rank", "count")
+    __slots__ = ("memory", "slots", "size", "rank", "count", "__weakref__")
 
     shared = True
 
@@ -98,11 +106,23 @@ class Board:
             seen = slots[at]
             if seen >> 32 == k:
                 return seen
-            if deadline is not None and time.monotonic() >= deadline:
-                raise timeout_error(what, group, timeout, None)
+            late = deadline is not None and time.monotonic() >= deadline
+            if late or seen >> 32 == _GONE:
+                lo = (k & 1) * self.size
+                if seen >> 32 == _GONE:
+                    raise ended_error(what, group, [r for r in range(self.size)
+                                                    if slots[lo + r] >> 32 == _GONE])
+                raise timeout_error(what, group, timeout, None, [
+                    r for r in range(self.size) if slots[lo + r] >> 32 != k])
+
+    def depart(self) -> None:
+        """Mark this rank ended in the next check's slot (others may still read this one's)."""
+        k = self.count + 1 if self.count < _LAST else 1
+        self.slots[(k & 1) * self.size + self.rank] = _GONE << 32
 
     def free(self) -> None:
         """Unmap the words."""
+        _LIVE.discard(self)
         self.slots.release()
         self.memory.close()
 
@@ -110,7 +130,7 @@ class Board:
 class MessageBoard:
     """The same check for ranks on several nodes: one ``Iallgather`` of an int64 per rank."""
 
-    __slots__ = ("comm", "mine", "table")
+    __slots__ = ("comm", "mine", "table", "__weakref__")
 
     shared = False
 
@@ -124,10 +144,27 @@ class MessageBoard:
         self.mine[0] = sig
         wait(self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]),
              what, group, timeout)
-        return bool(self.table.min() == sig == self.table.max())
+        if self.table.min() == sig == self.table.max():
+            return True
+        gone = np.flatnonzero(self.table == DEPARTED).tolist()
+        if gone:
+            raise ended_error(what, group, gone)
+        return False
+
+    def depart(self) -> None:
+        """Join the others' next check as an ended rank (never completed here: it ends)."""
+        self.mine[0] = DEPARTED
+        self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T])
 
     def free(self) -> None:
-        """Nothing to release (kept for symmetry with :class:`Board`)."""
+        """Forget the board."""
+        _LIVE.discard(self)
+
+
+def depart() -> None:
+    """Tell every rank waiting for this one on a live board that it has ended."""
+    for board in list(_LIVE):
+        board.depart()
 
 
 def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
@@ -141,13 +178,19 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return None
-    if not SHARED:  # alike on every rank
-        return MessageBoard(comm)
+    board = _shared(comm, size, rank) if SHARED else None  # SHARED: alike on every rank
+    board = MessageBoard(comm) if board is None else board
+    _LIVE.add(board)
+    return board
+
+
+def _shared(comm: MPI.Intracomm, size: int, rank: int) -> Board | None:
+    """The shared-memory board, or None when the ranks are on several nodes (or it fails)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     together = node.Get_size() == size
     node.Free()
     if not together:
-        return MessageBoard(comm)
+        return None
     nbytes, board = 2 * size * 8, None
     name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
     if rank == 0:
@@ -180,4 +223,4 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
         return board
     if board is not None:
         board.free()
-    return MessageBoard(comm)
+    return None
