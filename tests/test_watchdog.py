@@ -39,8 +39,11 @@ rank = MPI.COMM_WORLD.Get_rank()
 
 SCENARIOS = {
     "trivial": "manager.initialize_parallel()\n",
-    # rank 1 leaves (any status) while rank 0 waits for it in a collective
+    # rank 1 leaves (any status) while rank 0 waits for it in a collective (the group's
+    # board in shared memory, or messages as across nodes)
     "exit": """
+from pympar import _board
+_board.SHARED = sys.argv[2] == "shared"
 state = manager.initialize_parallel(2)
 if rank == 1:
     sys.exit(int(sys.argv[1]))
@@ -130,10 +133,10 @@ def said_once(line: str, output: str) -> None:
 
 @single_process
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("code", ["0", "3"])
-@pytest.mark.parametrize("mpi4py", [False, True])
-def test_a_rank_that_exits_ends_the_job_at_once(tmp_path, bound, code, mpi4py):
-    status, output, seconds = launch(tmp_path, "exit", code, mpi4py=mpi4py)
+@pytest.mark.parametrize("code,mpi4py,board", [("0", False, "shared"), ("3", False, "shared"),
+                                               ("0", True, "shared"), ("3", True, "message")])
+def test_a_rank_that_exits_ends_the_job_at_once(tmp_path, bound, code, mpi4py, board):
+    status, output, seconds = launch(tmp_path, "exit", code, board, mpi4py=mpi4py)
     assert status != 0 and seconds < bound, (status, seconds, output)
     said_once("[pympar] PeerEndedError on rank 0: all_reduce(shape=(4,), dtype=float64, "
               "op='sum') on group 'tp-0-1': rank 1 (global 1) ended the program", output)
