@@ -15,10 +15,8 @@ making different calls meet in the same exchange instead of waiting in two.
   is after every rank finished reading the words of ``k``.
 * :class:`MessageBoard` (ranks on several nodes): one 8-byte ``Iallgather`` per check.
 
-A rank that never comes leaves the others waiting until the watchdog's ``PYMPAR_TIMEOUT``;
-on a shared board the error names the ranks whose words are missing. A rank that ends
-(:func:`depart`, at the end of the program) writes a word no check reaches into its next
-check's slot (sends :data:`DEPARTED` on a message board): a rank waiting for it raises
+A rank that never comes leaves the others waiting until the watchdog's ``PYMPAR_TIMEOUT``
+(a shared board names the ranks missing); one that ended (:func:`depart`) makes them raise
 :class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields its core after a
 short tight spin and drives MPI's progress engine (one ``Iprobe`` per look): the rank it
 waits for may be in a send that needs this rank's earlier receive to progress.
@@ -50,8 +48,7 @@ SHARED = True
 _TIGHT = 200
 #: The signature of a rank that refuses its own arguments (calls' signatures are odd).
 REFUSED = 0
-#: The signature a rank that ended sends on a message board.
-DEPARTED = 2
+DEPARTED = 2  #: The signature of a rank that ended, on a message board.
 _LAST = 2**32 - 2  # the last check count before wrapping to 1 (even: parities alternate)
 _GONE = 2**32 - 1  # the count field of an ended rank's word: no check reaches it
 _LIVE: Any = weakref.WeakSet()  # the boards not yet freed, for depart()
@@ -72,6 +69,7 @@ class Board:
         # A memoryview, not NumPy: indexing it with a Python int costs ~40 ns.
         self.slots = memoryview(memory).cast("Q")
         self.count = 0  # checks made; word 0 (all slots at start) never carries k >= 1
+        _LIVE.add(self)
 
     def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
         """Write ``sig`` for the next check, wait for every rank's, and tell whether all equal
@@ -106,14 +104,12 @@ class Board:
             seen = slots[at]
             if seen >> 32 == k:
                 return seen
-            late = deadline is not None and time.monotonic() >= deadline
-            if late or seen >> 32 == _GONE:
-                lo = (k & 1) * self.size
-                if seen >> 32 == _GONE:
-                    raise ended_error(what, group, [r for r in range(self.size)
-                                                    if slots[lo + r] >> 32 == _GONE])
-                raise timeout_error(what, group, timeout, None, [
-                    r for r in range(self.size) if slots[lo + r] >> 32 != k])
+            gone = seen >> 32 == _GONE
+            if gone or deadline is not None and time.monotonic() >= deadline:
+                counts = [w >> 32 for w in slots[(k & 1) * self.size:][:self.size]]
+                raise ended_error(what, group, [r for r, c in enumerate(counts) if c == _GONE]) \
+                    if gone else timeout_error(what, group, timeout, None,
+                                               [r for r, c in enumerate(counts) if c != k])
 
     def depart(self) -> None:
         """Mark this rank ended in the next check's slot (others may still read this one's)."""
@@ -138,18 +134,17 @@ class MessageBoard:
         self.comm = comm
         self.mine = np.zeros(1, np.int64)
         self.table = np.zeros(comm.Get_size(), np.int64)
+        _LIVE.add(self)
 
     def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
         """Exchange ``sig``; whether every rank's equals it (see :meth:`Board.agree`)."""
         self.mine[0] = sig
         wait(self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]),
              what, group, timeout)
-        if self.table.min() == sig == self.table.max():
-            return True
-        gone = np.flatnonzero(self.table == DEPARTED).tolist()
-        if gone:
-            raise ended_error(what, group, gone)
-        return False
+        same = bool(self.table.min() == sig == self.table.max())
+        if not same and DEPARTED in self.table:
+            raise ended_error(what, group, np.flatnonzero(self.table == DEPARTED).tolist())
+        return same
 
     def depart(self) -> None:
         """Join the others' next check as an ended rank (never completed here: it ends)."""
@@ -178,19 +173,13 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return None
-    board = _shared(comm, size, rank) if SHARED else None  # SHARED: alike on every rank
-    board = MessageBoard(comm) if board is None else board
-    _LIVE.add(board)
-    return board
-
-
-def _shared(comm: MPI.Intracomm, size: int, rank: int) -> Board | None:
-    """The shared-memory board, or None when the ranks are on several nodes (or it fails)."""
+    if not SHARED:  # alike on every rank
+        return MessageBoard(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     together = node.Get_size() == size
     node.Free()
     if not together:
-        return None
+        return MessageBoard(comm)
     nbytes, board = 2 * size * 8, None
     name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
     if rank == 0:
@@ -223,4 +212,4 @@ def _shared(comm: MPI.Intracomm, size: int, rank: int) -> Board | None:
         return board
     if board is not None:
         board.free()
-    return None
+    return MessageBoard(comm)

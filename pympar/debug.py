@@ -1,25 +1,21 @@
 """Debug mode and the watchdog of pympar collectives.
 
-Without either switch every collective already checks, cheaply, that every rank makes
-the same call (:mod:`pympar.collectives`); ranks that differ raise
-:class:`CollectiveMismatchError` on every rank, naming each rank's call. Two settings,
-read once at import, go further:
+Every collective checks, cheaply, that every rank makes the same call
+(:mod:`pympar.collectives`); ranks that differ raise :class:`CollectiveMismatchError` on
+every rank, naming each rank's call. Two settings, read once at import and alike on every
+rank (compared when a mesh or group is made), go further; :func:`debug_mode` sets both
+for a ``with`` block.
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
-    Enriches that report with where each rank made its call (the first frame outside
-    pympar, ``file:line in function``). It costs nothing until a mismatch.
+    The report also names where each rank made its call (the first frame outside pympar,
+    ``file:line in function``), and an uncaught error shows its traceback. Free until then.
 
-``PYMPAR_TIMEOUT=seconds`` (or :func:`set_timeout`; default :data:`DEFAULT_TIMEOUT`, 10 min)
-    The watchdog: every wait for other ranks to arrive is bounded (the agreement check,
-    the exchanges that follow it, the job-settings agreement, the end of the program).
-    A rank that is not there in time makes the waiting ranks raise
-    :class:`CollectiveTimeoutError` naming the operation, the group and (within a node)
-    the ranks that did not arrive; uncaught, it ends the job. ``0`` turns it off. The data
-    call itself stays blocking: it starts only once every rank passed the same check.
-
-Every rank must use the same settings (compared when a mesh or group is made).
-
-:func:`debug_mode` sets both for a ``with`` block.
+``PYMPAR_TIMEOUT=seconds`` (:func:`set_timeout`; :data:`DEFAULT_TIMEOUT` if unset, 0: never)
+    The watchdog: every wait for other ranks to arrive (the agreement check, the exchanges
+    after it, the settings agreement, the end of the program) raises
+    :class:`CollectiveTimeoutError` after it, naming the operation, the group and (within
+    a node) the ranks that did not arrive. The data call stays blocking: it starts only
+    once every rank passed the same check.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ from mpi4py import MPI
 
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, wait, where
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable", "disable",
-           "is_enabled", "set_timeout", "get_timeout", "debug_mode", "report", "DEFAULT_TIMEOUT"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable", "disable", "is_enabled",
+           "set_timeout", "get_timeout", "debug_mode", "report", "DEFAULT_TIMEOUT"]
 
 #: The watchdog's timeout in seconds without ``PYMPAR_TIMEOUT`` (NCCL's default in torch).
 DEFAULT_TIMEOUT = 600.0
@@ -58,8 +54,7 @@ def _check_timeout(seconds: float | None) -> float | None:
         return None
     seconds = float(seconds)
     if not seconds > 0:  # also rejects NaN
-        raise ValueError(f"a collective timeout must be >= 0 seconds (0 or None: never), "
-                         f"got {seconds!r}")
+        raise ValueError(f"a collective timeout must be >= 0 s (0, None: never), got {seconds!r}")
     return seconds
 
 

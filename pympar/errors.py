@@ -1,9 +1,8 @@
 """The errors of pympar's collectives and the timed wait that raises one.
 
-A mismatch is raised alike on every rank of the check (:mod:`pympar._agreement`); a
-timeout by the rank that waited. An exception whose ``raised_alike`` attribute is true (a
-class attribute, or set on the instance) is raised alike on every rank: uncaught, it is
-printed once, as one line (:mod:`pympar.faults`).
+A timeout is raised by the rank that waited; a mismatch alike on every rank of the check,
+as is every exception whose ``raised_alike`` attribute is true (of its class or instance):
+uncaught, such an error is printed once, as one line (:mod:`pympar.faults`).
 """
 
 from __future__ import annotations
@@ -59,9 +58,8 @@ def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Reque
     """The error of ``operation`` (in words) on ``group`` still pending after ``timeout``
     seconds; ``request`` is the pending operation (None for the shared-memory check),
     ``missing`` the group ranks that did not arrive (None: unknown, a message path)."""
-    who = ("another rank of the group has not reached it (a group across nodes cannot tell "
-           "which)" if missing is None else
-           f"{', '.join(where(group, r) for r in missing)} did not arrive")
+    who = (f"{', '.join(where(group, r) for r in missing)} did not arrive" if missing else
+           "another rank of the group has not reached it (a group across nodes cannot tell which)")
     error = CollectiveTimeoutError(
         f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
         f"on {where(group, group.rank)} of {group.size}: {who} (it "

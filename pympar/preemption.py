@@ -11,8 +11,8 @@ would be lost (or would kill the rank), so the batch script passes its own signa
 The training loop calls :meth:`Preemption.should_stop` at step boundaries; it agrees across
 all ranks with one tiny checked all-reduce (:mod:`pympar.collectives`), so every rank stops
 after the same step and saves a checkpoint, and a rank that skips it is named by the
-watchdog instead of leaving the others waiting. The program then ends with ``finalize_and_exit(REQUEUE_STATUS)``
-(:func:`pympar.launch.finalize_and_exit`): MPI is finalized on every rank and the process
+watchdog instead of leaving the others waiting. The program then ends with
+``finalize_and_exit(REQUEUE_STATUS)`` (:func:`pympar.launch.finalize_and_exit`): MPI is finalized on every rank and the process
 exits with :data:`REQUEUE_STATUS`. The batch script requeues the job
 exactly when the step ended with that status (``examples/slurm/requeue.sh``); a program
 that finished exits 0 and is not requeued. The program never requeues its own job: under
