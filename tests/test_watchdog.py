@@ -15,12 +15,14 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from mpi_helpers import WORLD
+from mpi_helpers import WORLD, agree
+from pympar import faults, manager
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 3
@@ -232,3 +234,18 @@ def test_info_with_a_bad_cuda_setting_ends(tmp_path, bound):
     assert status == 2 and seconds < bound, (status, seconds, output)
     assert output.count("PYMPAR_CUDA_AWARE must be auto, 0 or 1, not 'maybe'") == 1, output
     assert exits(output) == {0: 2, 1: 2}, output
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_hooks_live_from_initialize_parallel_to_destroy_parallel():
+    manager.destroy_parallel()  # also removes what an earlier failed initialize left
+    before = (sys.excepthook, threading.excepthook)
+    manager.initialize_parallel()
+    try:
+        installed = (sys.excepthook is faults._excepthook
+                     and threading.excepthook is faults._threading_excepthook
+                     and (faults._exit_comm is not None) == (WORLD.size > 1))
+    finally:
+        manager.destroy_parallel()
+    agree(installed and (sys.excepthook, threading.excepthook) == before
+          and faults._exit_comm is None, "hooks not installed, or not removed")
