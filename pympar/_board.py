@@ -15,8 +15,9 @@ making different calls meet in the same exchange instead of waiting in two.
   is after every rank finished reading the words of ``k``.
 * :class:`MessageBoard` (ranks on several nodes): one 8-byte ``Iallgather`` per check.
 
-A rank that never comes leaves the others waiting until ``PYMPAR_TIMEOUT`` (for ever
-without one, as in the MPI call that follows). A waiting rank yields its core after a
+A rank that never comes leaves the others waiting until the watchdog's ``PYMPAR_TIMEOUT``
+(a shared board names the ranks missing); one that ended (:func:`depart`) makes them raise
+:class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields its core after a
 short tight spin and drives MPI's progress engine (one ``Iprobe`` per look): the rank it
 waits for may be in a send that needs this rank's earlier receive to progress.
 """
@@ -28,14 +29,15 @@ import mmap
 import os
 import secrets
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import timeout_error, wait
+from .errors import ended_error, timeout_error, wait
 
-__all__ = ["Board", "MessageBoard", "create", "REFUSED"]
+__all__ = ["Board", "MessageBoard", "create", "depart", "REFUSED", "DEPARTED"]
 
 #: Where the shared boards' files are made (memory-backed on Linux); without it, messages.
 SHARED_DIR = "/dev/shm"
@@ -46,7 +48,10 @@ SHARED = True
 _TIGHT = 200
 #: The signature of a rank that refuses its own arguments (calls' signatures are odd).
 REFUSED = 0
+DEPARTED = 2  #: The signature of a rank that ended, on a message board.
 _LAST = 2**32 - 2  # the last check count before wrapping to 1 (even: parities alternate)
+_GONE = 2**32 - 1  # the count field of an ended rank's word: no check reaches it
+_LIVE: Any = weakref.WeakSet()  # the boards not yet freed, for depart()
 _NAME_BYTES = 256
 # Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
 _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
@@ -55,7 +60,7 @@ _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 class Board:
     """One group's shared words (``memory``: ``2 * size`` zeroed 64-bit words)."""
 
-    __slots__ = ("memory", "slots", "size", "rank", "count")
+    __slots__ = ("memory", "slots", "size", "rank", "count", "__weakref__")
 
     shared = True
 
@@ -64,6 +69,7 @@ class Board:
         # A memoryview, not NumPy: indexing it with a Python int costs ~40 ns.
         self.slots = memoryview(memory).cast("Q")
         self.count = 0  # checks made; word 0 (all slots at start) never carries k >= 1
+        _LIVE.add(self)
 
     def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
         """Write ``sig`` for the next check, wait for every rank's, and tell whether all equal
@@ -98,11 +104,21 @@ class Board:
             seen = slots[at]
             if seen >> 32 == k:
                 return seen
-            if deadline is not None and time.monotonic() >= deadline:
-                raise timeout_error(what, group, timeout, None)
+            gone = seen >> 32 == _GONE
+            if gone or deadline is not None and time.monotonic() >= deadline:
+                counts = [w >> 32 for w in slots[(k & 1) * self.size:][:self.size]]
+                raise ended_error(what, group, [r for r, c in enumerate(counts) if c == _GONE]) \
+                    if gone else timeout_error(what, group, timeout, None,
+                                               [r for r, c in enumerate(counts) if c != k])
+
+    def depart(self) -> None:
+        """Mark this rank ended in the next check's slot (others may still read this one's)."""
+        k = self.count + 1 if self.count < _LAST else 1
+        self.slots[(k & 1) * self.size + self.rank] = _GONE << 32
 
     def free(self) -> None:
         """Unmap the words."""
+        _LIVE.discard(self)
         self.slots.release()
         self.memory.close()
 
@@ -110,7 +126,7 @@ class Board:
 class MessageBoard:
     """The same check for ranks on several nodes: one ``Iallgather`` of an int64 per rank."""
 
-    __slots__ = ("comm", "mine", "table")
+    __slots__ = ("comm", "mine", "table", "__weakref__")
 
     shared = False
 
@@ -118,16 +134,32 @@ class MessageBoard:
         self.comm = comm
         self.mine = np.zeros(1, np.int64)
         self.table = np.zeros(comm.Get_size(), np.int64)
+        _LIVE.add(self)
 
     def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
         """Exchange ``sig``; whether every rank's equals it (see :meth:`Board.agree`)."""
         self.mine[0] = sig
         wait(self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]),
              what, group, timeout)
-        return bool(self.table.min() == sig == self.table.max())
+        same = bool(self.table.min() == sig == self.table.max())
+        if not same and DEPARTED in self.table:
+            raise ended_error(what, group, np.flatnonzero(self.table == DEPARTED).tolist())
+        return same
+
+    def depart(self) -> None:
+        """Join the others' next check as an ended rank (never completed here: it ends)."""
+        self.mine[0] = DEPARTED
+        self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T])
 
     def free(self) -> None:
-        """Nothing to release (kept for symmetry with :class:`Board`)."""
+        """Forget the board."""
+        _LIVE.discard(self)
+
+
+def depart() -> None:
+    """Tell every rank waiting for this one on a live board that it has ended."""
+    for board in list(_LIVE):
+        board.depart()
 
 
 def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:

@@ -30,9 +30,8 @@ Notes
   float16 and bfloat16 sum in float32; complex has no max/min; ``max``/``min`` with NaN
   give what MPI gives, not NumPy's propagation.
 * CuPy: device buffers go to MPI directly when :func:`pympar.backend.cuda_aware`, else
-  through pinned host buffers. Under a timeout the data call of device buffers stays
-  blocking (not every CUDA-aware MPI supports non-blocking collectives on device
-  memory); the check before it is timed.
+  through pinned host buffers. The data call is blocking for every buffer; the
+  watchdog bounds the check before it (:mod:`pympar.debug`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,21 @@
-"""Debug mode and timeouts for pympar collectives.
+"""Debug mode and the watchdog of pympar collectives.
 
-Without either switch every collective already checks, cheaply, that every rank makes
-the same call (:mod:`pympar.collectives`); ranks that differ raise
-:class:`CollectiveMismatchError` on every rank, naming each rank's call. Two switches,
-both off by default and both read once at import, go further:
+Every collective checks, cheaply, that every rank makes the same call
+(:mod:`pympar.collectives`); ranks that differ raise :class:`CollectiveMismatchError` on
+every rank, naming each rank's call. Two settings, read once at import and alike on every
+rank (compared when a mesh or group is made), go further; :func:`debug_mode` sets both
+for a ``with`` block.
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
-    Enriches that report with where each rank made its call (the first frame outside
-    pympar, ``file:line in function``). It costs nothing until a mismatch.
+    The report also names where each rank made its call (the first frame outside pympar,
+    ``file:line in function``), and an uncaught error shows its traceback. Free until then.
 
-``PYMPAR_TIMEOUT=seconds`` (or :func:`set_timeout`)
-    Every wait is bounded: the agreement check, and the data call as MPI's non-blocking
-    variant polled until done (device buffers keep the blocking call after a timed
-    check). A call not complete in time raises :class:`CollectiveTimeoutError` naming the
-    operation, the group and the rank. After a timeout the group's communicator has a
-    pending operation and cannot be used again: let the error end the run.
-
-Every rank must use the same settings (compared when a mesh or group is made).
-
-:func:`debug_mode` sets both for a ``with`` block.
+``PYMPAR_TIMEOUT=seconds`` (:func:`set_timeout`; :data:`DEFAULT_TIMEOUT` if unset, 0: never)
+    The watchdog: every wait for other ranks to arrive (the agreement check, the exchanges
+    after it, the settings agreement, the end of the program) raises
+    :class:`CollectiveTimeoutError` after it, naming the operation, the group and (within
+    a node) the ranks that did not arrive. The data call stays blocking: it starts only
+    once every rank passed the same check.
 """
 
 from __future__ import annotations
@@ -33,8 +30,11 @@ from mpi4py import MPI
 
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, wait, where
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable", "disable",
-           "is_enabled", "set_timeout", "get_timeout", "debug_mode", "report"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable", "disable", "is_enabled",
+           "set_timeout", "get_timeout", "debug_mode", "report", "DEFAULT_TIMEOUT"]
+
+#: The watchdog's timeout in seconds without ``PYMPAR_TIMEOUT`` (NCCL's default in torch).
+DEFAULT_TIMEOUT = 600.0
 
 #: Bytes per rank of the mismatch report (fixed, so a timed Iallgather can carry it).
 SLOT_BYTES = 1024
@@ -50,23 +50,25 @@ def _parse_flag(value: str) -> bool:
 
 
 def _check_timeout(seconds: float | None) -> float | None:
-    if seconds is None:
+    if seconds is None or seconds == 0:
         return None
     seconds = float(seconds)
     if not seconds > 0:  # also rejects NaN
-        raise ValueError(f"a collective timeout must be > 0 seconds (or None), got {seconds!r}")
+        raise ValueError(f"a collective timeout must be >= 0 s (0, None: never), got {seconds!r}")
     return seconds
 
 
 def _parse_timeout(value: str) -> float | None:
     value = value.strip().lower()
-    if value in ("", "0", "none", "off"):
+    if value == "":
+        return DEFAULT_TIMEOUT
+    if value in ("none", "off"):
         return None
     try:
         return _check_timeout(float(value))
     except ValueError:
         raise ValueError(f"PYMPAR_TIMEOUT must be a number of seconds > 0, "
-                         f"not {value!r}") from None
+                         f"or 0 (never), not {value!r}") from None
 
 
 _enabled: bool = _parse_flag(os.environ.get("PYMPAR_DEBUG", ""))
@@ -91,15 +93,14 @@ def is_enabled() -> bool:
 
 
 def set_timeout(seconds: float | None) -> None:
-    """Set the collective timeout in seconds (> 0; ``None`` turns it off), alike on every
-    rank of a group: timed collectives are MPI's non-blocking variants, which never match
-    the blocking ones."""
+    """Set the watchdog's timeout in seconds (``0`` or ``None``: never), alike on every rank
+    (compared when a mesh or group is made)."""
     global _timeout
     _timeout = _check_timeout(seconds)
 
 
 def get_timeout() -> float | None:
-    """Return the collective timeout in seconds, or ``None`` when off."""
+    """Return the watchdog's timeout in seconds, or ``None`` when off."""
     return _timeout
 
 

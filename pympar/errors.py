@@ -1,7 +1,8 @@
 """The errors of pympar's collectives and the timed wait that raises one.
 
-Both errors are raised the same way on every rank (a mismatch is seen by every rank of
-the check, see :mod:`pympar._agreement`); a timeout is raised by the rank that waited.
+A timeout is raised by the rank that waited; a mismatch alike on every rank of the check,
+as is every exception whose ``raised_alike`` attribute is true (of its class or instance):
+uncaught, such an error is printed once, as one line (:mod:`pympar.faults`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "wait", "timeout_error", "where"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "PeerEndedError", "wait",
+           "timeout_error", "ended_error", "where"]
 
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks of a group called different collectives, or with different arguments."""
+
+    raised_alike = True
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -32,20 +36,35 @@ class CollectiveTimeoutError(RuntimeError):
     request: MPI.Request | None = None
 
 
+class PeerEndedError(CollectiveTimeoutError):
+    """A rank this one waits for in a collective has ended (returned, ``sys.exit``, error)."""
+
+
+def ended_error(operation: str, group: Any, ranks: list[int]) -> PeerEndedError:
+    """The error of ``operation`` on ``group`` whose group ranks ``ranks`` have ended."""
+    return PeerEndedError(
+        f"{operation} on group {group.name!r}: {', '.join(where(group, r) for r in ranks)} "
+        f"ended the program (returned, sys.exit or an error) while {where(group, group.rank)} "
+        f"waits for it there")
+
+
 def where(group: Any, rank: int) -> str:
     """Rank ``rank`` of ``group`` in words, with its global rank."""
     return f"rank {rank} (global {group.ranks[rank]})"
 
 
-def timeout_error(operation: str, group: Any, timeout: float,
-                  request: MPI.Request | None) -> CollectiveTimeoutError:
+def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Request | None,
+                  missing: list[int] | None = None) -> CollectiveTimeoutError:
     """The error of ``operation`` (in words) on ``group`` still pending after ``timeout``
-    seconds; ``request`` is the pending operation (None for the shared-memory check)."""
+    seconds; ``request`` is the pending operation (None for the shared-memory check),
+    ``missing`` the group ranks that did not arrive (None: unknown, a message path)."""
+    who = (f"{', '.join(where(group, r) for r in missing)} did not arrive" if missing else
+           "another rank of the group has not reached it (a group across nodes cannot tell which)")
     error = CollectiveTimeoutError(
         f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
-        f"on {where(group, group.rank)} of {group.size}: another rank of the group "
-        f"has not reached it (skipped it, called a different collective, or is "
-        f"stuck); the group's communicator is no longer usable")
+        f"on {where(group, group.rank)} of {group.size}: {who} (it "
+        f"skipped the call, called a different collective, or is stuck); the group's "
+        f"communicator is no longer usable")
     error.request = request
     return error
 
@@ -57,6 +76,9 @@ def wait(request: MPI.Request, operation: str, group: Any, timeout: float | None
     if timeout is None:
         request.Wait()
         return
+    for _ in range(200):  # a short call completes here, as fast as Wait()
+        if request.Test():
+            return
     deadline, delay = time.monotonic() + timeout, 1e-5
     while not request.Test():
         if time.monotonic() >= deadline:

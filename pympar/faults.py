@@ -1,28 +1,34 @@
-"""A failing rank ends the whole job; settings that must agree are checked at start.
+"""How a job ends: every rank on its own terms, never one left waiting; settings checked at start.
 
-:func:`pympar.manager.initialize_parallel` calls :func:`start` first. It
+:func:`pympar.manager.initialize_parallel` calls :func:`start` first, and
+:func:`pympar.manager.destroy_parallel` calls :func:`stop`. In between, under any launcher
+(plain ``python script.py`` too, not only ``python -m mpi4py``):
 
-1. from then on, for the rest of the process, makes an uncaught exception in
-   any thread print the rank and the error and call ``MPI.COMM_WORLD.Abort``,
-   under any launcher (plain ``python script.py`` too, not only ``python -m
-   mpi4py``): the other ranks would otherwise wait forever in their next
-   collective. This comes before any collective, so that an error inside
-   ``initialize_parallel`` itself ends the job too;
-2. compares, with one timed non-blocking allgather of a checksum, the settings
-   every rank must share (``PYMPAR_DEBUG`` and ``PYMPAR_TIMEOUT``, as in
-   effect), so that ``initialize_parallel`` called
-   on only some ranks raises :class:`~pympar.debug.CollectiveTimeoutError` on those ranks
-   within ``PYMPAR_TIMEOUT`` (the ranks that did not call it cannot know), and
-   different settings raise :class:`ValueError` on every rank, naming the
-   variable and each rank's value (the exchange is :func:`pympar.settings.check_same`,
-   which every ``Mesh`` and ``Mesh.group`` also makes);
-3. when the job has more than one rank, makes the end of the program (a return
-   from the script, or ``sys.exit`` with any status) agree across the ranks
-   first: a rank that ends while another has not ended waits for it; with
-   ``PYMPAR_TIMEOUT`` set it waits that long, then prints which rank ended and
-   aborts the job. Without a timeout it waits as long as MPI itself would in
-   ``MPI_Finalize``: one rank's ``sys.exit`` while others are still computing
-   cannot be told from a rank that finished early.
+1. **An uncaught error raised alike on every rank** (its ``raised_alike`` attribute is true:
+   :class:`~pympar.errors.CollectiveMismatchError`, a layout that does not fit the job,
+   settings that differ) and a :class:`~pympar.errors.PeerEndedError`: the rank tells the
+   ranks waiting for it on its groups' boards that it has ended (they raise
+   :class:`~pympar.errors.PeerEndedError` at once, see :mod:`pympar._board`) and joins the
+   end-of-program exchange. Once every rank is there (within :data:`END_WAIT` s) the
+   lowest rank with such an error prints it as one line, the others nothing (the traceback
+   too in debug mode, ``PYMPAR_DEBUG=1``); MPI is finalized and every rank exits 1. Ranks
+   not there in time (busy outside pympar): each prints its line and the job aborts.
+2. **Any other uncaught error**, in any thread: the traceback and one line naming the rank,
+   then ``MPI.COMM_WORLD.Abort(1)`` after :data:`ABORT_DELAY` (a timeout of the watchdog
+   prints its one line without a traceback, outside debug mode).
+3. **The end of the program** (a return from the script, or ``sys.exit`` with any status):
+   the rank tells the ranks waiting for it on its groups' boards, and waits until every rank
+   has ended, at most the watchdog's ``PYMPAR_TIMEOUT`` (then it names itself and aborts the
+   job). When every rank ended well each keeps its exit status; when another rank ended by
+   an error, this one exits 1 too (after finalizing MPI; handlers that ``atexit`` registered
+   before ``initialize_parallel`` are then skipped).
+4. **Settings that must agree** (``PYMPAR_DEBUG`` and ``PYMPAR_TIMEOUT``, as in effect)
+   are compared with one timed non-blocking allgather of a checksum
+   (:func:`pympar.settings.check_same`, which every ``Mesh`` and ``Mesh.group`` also
+   makes): different settings raise ``ValueError`` on every rank, and
+   ``initialize_parallel`` called on only some ranks raises
+   :class:`~pympar.errors.CollectiveTimeoutError` on those ranks within the watchdog's
+   timeout (the ranks that did not call it cannot know).
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ import traceback
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
-from . import debug, settings
+from . import _board, debug, settings
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerEndedError
 from .settings import check_same
 
-__all__ = ["start", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY"]
+__all__ = ["start", "stop", "alike", "MUST_AGREE", "EXIT_NOTE_AFTER", "ABORT_DELAY", "END_WAIT"]
 
 #: Environment variables whose settings must be the same on every rank (compared by
 #: :func:`pympar.settings.check_same`, where the tuple lives).
@@ -53,7 +61,12 @@ EXIT_NOTE_AFTER = 30.0
 #: among them) stop forwarding a job's output once it aborts, so what was printed
 #: just before is otherwise often lost.
 ABORT_DELAY = 0.5
-_installed = False
+#: Seconds (at most the watchdog's timeout) that a rank with an error raised alike waits
+#: for every rank to end, so that one rank prints it and none aborts.
+END_WAIT = 10.0
+# What each rank says in the end-of-program exchange.
+_ENDED, _ALIKE, _PEER = 0, 1, 2
+_previous: tuple[Any, Any] | None = None  # the hooks start() replaced, until stop()
 _exit_comm: MPI.Comm | None = None
 
 
@@ -84,7 +97,23 @@ def _excepthook(kind: type[BaseException], value: BaseException,
             sys.stderr.write(f"pympar: error: {value}\n")
         sys.stderr.flush()
         os._exit(1)
-    traceback.print_exception(kind, value, tb)
+    code = (_ALIKE if getattr(value, "raised_alike", False) else
+            _PEER if isinstance(value, PeerEndedError) else None)
+    if code is not None and _exit_comm is not None and not MPI.Is_finalized():
+        timeout = debug.get_timeout()
+        table = _gather_ends(code, END_WAIT if timeout is None else min(timeout, END_WAIT))
+        if table is not None:  # every rank has ended: one line, from one rank, no abort
+            ranks = np.flatnonzero(table == (_ALIKE if (table == _ALIKE).any() else _PEER))
+            if ranks[0] == _exit_comm.Get_rank():
+                if debug.is_enabled():
+                    traceback.print_exception(kind, value, tb)
+                said = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+                sys.stderr.write(f"[pympar] {kind.__name__} on rank{'s' * (len(ranks) > 1)} "
+                                 f"{said}: {str(value).replace(chr(10), ' ')}\n")
+            _finalize()
+            return  # the interpreter exits 1
+    if debug.is_enabled() or not (code or isinstance(value, CollectiveTimeoutError)):
+        traceback.print_exception(kind, value, tb)
     _report(kind, value, "")
     _abort()
 
@@ -98,60 +127,105 @@ def _threading_excepthook(args: Any) -> None:
     _abort()
 
 
-def _agree_at_exit() -> None:
-    """Wait for every rank to reach the end; with a timeout, abort when some do not."""
+def _finalize() -> None:
+    # Every rank has ended (the exchange completed): leave MPI together, then wait a moment,
+    # for a launcher kills the ranks still inside MPI_Finalize when one exits non-zero.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _exit_comm.Barrier()
+    MPI.Finalize()
+    time.sleep(ABORT_DELAY)
+
+
+def _gather_ends(code: int, timeout: float | None) -> np.ndarray | None:
+    """Tell the boards this rank has ended, then every rank's ``code`` in the end-of-program
+    exchange (None when not every rank is there within ``timeout`` s)."""
     comm = _exit_comm
-    if comm is None or MPI.Is_finalized():
-        return
-    request = comm.Ibarrier()
-    timeout = debug.get_timeout()
+    assert comm is not None
+    _board.depart()
+    mine, table = np.array([code], np.int64), np.empty(comm.Get_size(), np.int64)
+    request = comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
     start, pause, noted = time.monotonic(), 1e-5, False
     while not request.Test():
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:
-            sys.stderr.write(
-                f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end "
-                f"of the program (return or sys.exit) but other ranks did not within "
-                f"PYMPAR_TIMEOUT={timeout:g} s; aborting the job (MPI_Abort)\n")
-            sys.stderr.flush()
-            time.sleep(ABORT_DELAY)
-            MPI.COMM_WORLD.Abort(1)
-        if not noted and waited >= EXIT_NOTE_AFTER:
+            return None
+        if not noted and code == _ENDED and waited >= EXIT_NOTE_AFTER:
             noted = True
             sys.stderr.write(
                 f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end "
-                f"of the program and waits for the other ranks to end too (set PYMPAR_TIMEOUT "
-                f"to abort the job instead when they do not)\n")
+                f"of the program and waits for the other ranks to end too (PYMPAR_TIMEOUT="
+                f"{'never' if timeout is None else f'{timeout:g} s'})\n")
             sys.stderr.flush()
         time.sleep(pause)
         pause = min(2 * pause, 1e-2)
+    return table
 
 
-def _install_hooks() -> None:
-    """Make an uncaught exception in any thread end the job (once per process; no MPI call)."""
-    global _installed
-    if not _installed:
-        _installed = True
+def _end_at_exit() -> None:
+    """Wait for every rank to end; abort when some do not in time, exit 1 when one failed."""
+    comm = _exit_comm
+    if comm is None or MPI.Is_finalized():
+        return
+    timeout = debug.get_timeout()
+    table = _gather_ends(_ENDED, timeout)
+    if table is None:
+        sys.stderr.write(
+            f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end "
+            f"of the program (return or sys.exit) but other ranks did not within "
+            f"PYMPAR_TIMEOUT={timeout:g} s; aborting the job (MPI_Abort)\n")
+        sys.stderr.flush()
+        time.sleep(ABORT_DELAY)
+        MPI.COMM_WORLD.Abort(1)
+    if table.any():  # another rank ended by an error, said there: leave MPI with it
+        _finalize()
+
+
+def alike(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised alike on every rank (``raise alike(ValueError(...))``):
+    uncaught, it is printed once, by the lowest rank, as one line."""
+    error.raised_alike = True  # type: ignore[attr-defined]
+    return error
+
+
+def _install() -> None:
+    """Make an uncaught exception in any thread end the job (no MPI call)."""
+    global _previous
+    if _previous is None:
+        _previous = (sys.excepthook, threading.excepthook)
         sys.excepthook = _excepthook
         threading.excepthook = _threading_excepthook
 
 
 def _install_exit(comm: MPI.Comm) -> None:
-    """Register the end-of-program agreement over ``comm`` (collective: it duplicates ``comm``).
-
-    The agreement covers the first communicator of more than one rank that is
-    laid out (usually ``MPI.COMM_WORLD``).
-    """
+    """Register the end of the program over ``comm`` (collective: it duplicates ``comm``),
+    the first communicator of more than one rank that is laid out."""
     global _exit_comm
     if _exit_comm is None and comm.Get_size() > 1:
-        # A communicator of its own: the end-of-program barrier can never match a
+        # A communicator of its own: the end-of-program exchange can never match a
         # collective left pending on the user's communicators.
         _exit_comm = comm.Dup()
-        atexit.register(_agree_at_exit)
+        atexit.register(_end_at_exit)
+
+
+def stop() -> None:
+    """Remove what :func:`start` installed (collective over its communicator; idempotent).
+
+    Called by :func:`pympar.manager.destroy_parallel`: from then on an uncaught error and
+    the end of the program are Python's and MPI's own again.
+    """
+    global _previous, _exit_comm
+    if _previous is not None:
+        sys.excepthook, threading.excepthook = _previous
+        _previous = None
+    if _exit_comm is not None:
+        atexit.unregister(_end_at_exit)
+        _exit_comm.Free()
+        _exit_comm = None
 
 
 def start(comm: MPI.Comm) -> None:
-    """Install the fault hooks, then check that the ranks of ``comm`` agree on their settings.
+    """Install the end-of-job hooks, then check that the ranks of ``comm`` agree on settings.
 
     Collective over ``comm``; called first by
     :func:`pympar.manager.initialize_parallel`. The hooks come before the first
@@ -166,8 +240,8 @@ def start(comm: MPI.Comm) -> None:
     Raises
     ------
     pympar.debug.CollectiveTimeoutError
-        When ``PYMPAR_TIMEOUT`` is set on this rank and other ranks of ``comm``
-        do not call this within it. ``comm`` then has a pending operation.
+        When other ranks of ``comm`` do not call this within the watchdog's
+        ``PYMPAR_TIMEOUT``. ``comm`` then has a pending operation.
     ValueError
         On every rank, when ``PYMPAR_DEBUG`` or ``PYMPAR_TIMEOUT``
         differ between ranks; the message names the
@@ -182,7 +256,11 @@ def start(comm: MPI.Comm) -> None:
     """
     from .pmi import check_launcher
 
-    _install_hooks()
+    _install()
     check_launcher(comm)  # before any collective: the wrong srun --mpi plugin, said once
-    check_same(comm, "initialize_parallel", "")
+    try:
+        check_same(comm, "initialize_parallel", "")
+    except (ValueError, CollectiveMismatchError):
+        _install_exit(comm)  # every rank is here, and raises alike: they end together
+        raise
     _install_exit(comm)

@@ -18,8 +18,11 @@ from typing import IO, NoReturn
 
 from mpi4py import MPI
 
+from . import debug
+from .errors import wait
 from .faults import ABORT_DELAY
 from .pmi import first_task
+from .settings import _timeout_error
 
 __all__ = ["LAUNCHER_VARIABLES", "launcher_hint", "report_error", "finalize_and_exit",
            "RankZeroParser"]
@@ -48,11 +51,16 @@ def launcher_hint(command: str) -> str:
             f"`mpiexec -n N python -m mpi4py {command}` for N ranks")
 
 
+def _barrier(what: str) -> None:
+    """Wait for every rank of the world, at most the watchdog's timeout."""
+    wait(MPI.COMM_WORLD.Ibarrier(), what, MPI.COMM_WORLD, debug.get_timeout(), _timeout_error)
+
+
 def _leave_together(status: int) -> None:
     # No rank exits before rank 0's message is out: python -m mpi4py aborts the job on a
     # non-zero exit, and the launcher stops forwarding output once it aborts.
     comm = MPI.COMM_WORLD
-    comm.Barrier()
+    _barrier("the end after an error every rank reports")
     if status and comm.Get_size() > 1:
         time.sleep(ABORT_DELAY)
 
@@ -70,7 +78,8 @@ def report_error(prog: str, message: str, status: int = 2) -> int:
 
 
 def finalize_and_exit(status: int) -> NoReturn:
-    """Wait for every rank, finalize MPI, then exit with ``status``; collective.
+    """Wait for every rank (at most the watchdog's timeout), finalize MPI, then exit with
+    ``status``; collective.
 
     The end of a program that every rank reaches alike (``sys.exit(main())``): finalized
     first, the exit status reaches the launcher as it is. Under ``python -m mpi4py`` a
@@ -87,7 +96,7 @@ def finalize_and_exit(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Barrier()
+        _barrier("finalize_and_exit")
         MPI.Finalize()
     sys.exit(status)
 

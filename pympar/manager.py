@@ -197,12 +197,16 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     seen = comm.allgather((repr(arguments), _state is not None))
     if len({args for args, _ in seen}) > 1:
         ranks = [r for r, (args, _) in enumerate(seen) if args != seen[0][0]]
-        raise ValueError(f"initialize_parallel called with different arguments on ranks "
-                         f"{ranks} than on rank 0: {seen[ranks[0]][0]} vs {seen[0][0]}")
+        raise faults.alike(ValueError(
+            f"initialize_parallel called with different arguments on ranks {ranks} than on "
+            f"rank 0: {seen[ranks[0]][0]} vs {seen[0][0]}"))
     if any(initialized for _, initialized in seen):
-        raise RuntimeError("pympar parallel state is already initialized; "
-                           "call destroy_parallel() before initializing again")
-    sizes = _check_arguments(*arguments, world=comm.Get_size())
+        raise faults.alike(RuntimeError("pympar parallel state is already initialized; "
+                                        "call destroy_parallel() before initializing again"))
+    try:
+        sizes = _check_arguments(*arguments, world=comm.Get_size())
+    except ValueError as err:  # the arguments agreed above: every rank raises this alike
+        raise faults.alike(err)
     if tensor_parallel_mode == "3d":
         depth = cube_depth(sizes["tp"])
         mesh_sizes = {**{axis: depth for axis in AXES_3D}, "cp": sizes["cp"], "dp": sizes["dp"]}
@@ -228,9 +232,11 @@ def destroy_parallel() -> None:
     """Free every communicator of the current state and forget it; collective.
 
     The pinned host buffers that stage CuPy arrays are released too
-    (:func:`pympar.backend.release_staging`). Does nothing when no state exists.
+    (:func:`pympar.backend.release_staging`), and the end-of-job hooks of
+    :func:`pympar.faults.start` removed.
     """
     global _state
+    faults.stop()
     if _state is None:
         return
     for group in _state.all_groups():

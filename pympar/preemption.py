@@ -9,9 +9,10 @@ would be lost (or would kill the rank), so the batch script passes its own signa
 :class:`Preemption` looks for when it is created and at every step boundary.
 
 The training loop calls :meth:`Preemption.should_stop` at step boundaries; it agrees across
-all ranks with one tiny all-reduce, so every rank stops after the same step and saves a
-checkpoint. The program then ends with ``finalize_and_exit(REQUEUE_STATUS)``
-(:func:`pympar.launch.finalize_and_exit`): MPI is finalized on every rank and the process
+all ranks with one tiny checked all-reduce (:mod:`pympar.collectives`), so every rank stops
+after the same step and saves a checkpoint, and a rank that skips it is named by the
+watchdog instead of leaving the others waiting. The program then ends with
+``finalize_and_exit(REQUEUE_STATUS)`` (:func:`pympar.launch.finalize_and_exit`): MPI is finalized on every rank and the process
 exits with :data:`REQUEUE_STATUS`. The batch script requeues the job
 exactly when the step ended with that status (``examples/slurm/requeue.sh``); a program
 that finished exits 0 and is not requeued. The program never requeues its own job: under
@@ -37,6 +38,9 @@ from typing import Any, Iterable
 import numpy as np
 from mpi4py import MPI
 
+from .group import Group
+from .settings import check_same
+
 __all__ = ["Preemption", "REQUEUE_STATUS", "STOP_FILE_VARIABLE"]
 
 #: The exit status of a run that stopped early and wants to be requeued (``EX_TEMPFAIL``
@@ -52,7 +56,10 @@ class Preemption:
     Parameters
     ----------
     comm : mpi4py communicator or Group, optional
-        The ranks that must stop together (``MPI.COMM_WORLD`` by default).
+        The ranks that must stop together (``MPI.COMM_WORLD`` by default). Creating a
+        Preemption is collective over them: every rank creates it, with a communicator it
+        first agrees on (:func:`pympar.settings.check_same`) and a small board for the
+        check of :meth:`should_stop`; :meth:`close` releases it.
     signals : iterable of signal numbers or names, default (SIGUSR1, SIGTERM)
         The signals whose arrival asks the job to stop. Their previous handlers are restored
         by :meth:`close` (or on leaving a ``with`` block).
@@ -78,6 +85,7 @@ class Preemption:
                  budget: float | None = None, stop_file: str | None = None) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         self.comm = getattr(comm, "comm", comm)
+        self.group = comm if isinstance(comm, Group) else None
         self.signals = [signal.Signals[s] if isinstance(s, str) else signal.Signals(s)
                         for s in signals]
         if budget is not None and budget < 0:
@@ -87,6 +95,15 @@ class Preemption:
         self._flag = np.zeros(1, dtype=np.int32)
         path = os.environ.get(STOP_FILE_VARIABLE, "") if stop_file is None else stop_file
         self.stop_file = path if path and self.comm.Get_rank() == 0 else None
+        if self.group is None:
+            check_same(self.comm, "Preemption", "")
+            ranks = MPI.Group.Translate_ranks(self.comm.Get_group(), range(self.comm.Get_size()),
+                                              MPI.COMM_WORLD.Get_group())
+            self.group = Group(self.comm, "-".join(["preemption", *map(str, ranks)]), ranks,
+                               owns_comm=False)
+            self._own_group = True
+        else:
+            self._own_group = False
         self._previous = {sig: signal.signal(sig, self._handler) for sig in self.signals}
         self.requested_at_start = self._stop_file_exists()
 
@@ -106,19 +123,23 @@ class Preemption:
     def should_stop(self) -> bool:
         """True on every rank when any rank was asked to stop or is past the budget; collective.
 
-        Call it on every rank at the same point of every step (one 4-byte all-reduce),
-        best before the step's work: the first call then also catches a stop requested
-        before the program started.
+        Call it on every rank at the same point of every step (one 4-byte all-reduce,
+        checked like every pympar collective), best before the step's work: the first call
+        then also catches a stop requested before the program started.
         """
         self._flag[0] = self.requested()
-        self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+        self.group.all_reduce(self._flag, op="max", out=self._flag,
+                              label="Preemption.should_stop")
         return bool(self._flag[0])
 
     def close(self) -> None:
-        """Restore the signal handlers that were installed before."""
+        """Restore the signal handlers that were installed before; release the board."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        if self._own_group:
+            self.group.free()  # the board only: the communicator is the caller's
+            self._own_group = False
 
     def __enter__(self) -> "Preemption":
         return self

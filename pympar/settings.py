@@ -119,7 +119,11 @@ def check_same(comm: MPI.Comm, what: str, arguments: str) -> None:
         return
     # Every rank saw the same checksums, so every rank takes this (rare) path.
     seen: list[tuple[str, dict[str, list[str]]]] = comm.allgather((call, mine))
-    check_settings([row for _, row in seen])
+    try:
+        check_settings([row for _, row in seen])
+    except ValueError as err:
+        err.raised_alike = True  # type: ignore[attr-defined]  # every rank saw the same
+        raise
     made: dict[str, list[int]] = {}
     for rank, (text, _) in enumerate(seen):
         made.setdefault(text, []).append(rank)

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +56,9 @@ def test_switches_and_their_context_manager():
         with debug_mode(enabled=False):
             assert not debug.is_enabled() and debug.get_timeout() == 2.5
     assert not debug.is_enabled() and debug.get_timeout() is None
-    for bad in (0, -1.0, float("nan")):
+    debug.set_timeout(0)  # 0: never, as None
+    assert debug.get_timeout() is None
+    for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="timeout"):
             debug.set_timeout(bad)
 
@@ -68,8 +69,9 @@ def test_environment_parsing():
     assert not debug._parse_flag("0") and not debug._parse_flag("off")
     with pytest.raises(ValueError, match="PYMPAR_DEBUG"):
         debug._parse_flag("maybe")
-    assert debug._parse_timeout("2.5") == 2.5 and debug._parse_timeout("") is None
-    assert debug._parse_timeout("0") is None
+    # Unset: the default watchdog (NCCL's 10 minutes); 0 turns it off.
+    assert debug._parse_timeout("2.5") == 2.5 and debug._parse_timeout("") == 600.0
+    assert debug.DEFAULT_TIMEOUT == 600.0 and debug._parse_timeout("0") is None
     with pytest.raises(ValueError, match="PYMPAR_TIMEOUT"):
         debug._parse_timeout("soon")
     with pytest.raises(ValueError, match="PYMPAR_TIMEOUT"):
@@ -208,9 +210,7 @@ single_process = pytest.mark.skipif(WORLD.size != 1, reason="launches its own 2-
     ("big_dtypes", {}, ["CollectiveMismatchError", "dtype=float32", "dtype=int32"]),
 ])
 def test_checks_end_a_mismatched_job_with_the_error_on_every_rank(scenario, env, expected):
-    start = time.monotonic()
-    status, output = launch(scenario, **env)
-    assert time.monotonic() - start < 30, output
+    status, output = launch(scenario, **env)  # ended: launch() allows 90 s, load included
     assert status != 0, output
     for rank in (0, 1):
         message = said_by(rank, output)

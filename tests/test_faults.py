@@ -55,7 +55,8 @@ def test_initialize_on_some_ranks_raises_there_within_the_timeout():
         waited = time.monotonic() - start
     WORLD.Barrier()
     if WORLD.rank == 0:
-        ok = (error is not None and 0.45 < waited < 10 and not manager.is_initialized()
+        # Bounded only loosely: load stretches any wall time (issue #23).
+        ok = (error is not None and 0.45 < waited < 60 and not manager.is_initialized()
               and "initialize_parallel did not complete within 0.5 s on rank 0" in str(error)
               and "other ranks of the communicator have not called it" in str(error))
         if error is not None:
@@ -118,6 +119,9 @@ if rank == 1:
     sys.exit(0)
 MPI.COMM_WORLD.Barrier()
 """,
+    "trivial": """
+manager.initialize_parallel()
+""",
     "exit_all": """
 manager.initialize_parallel()
 time.sleep(0.5 * rank)   # uneven ends are fine
@@ -147,40 +151,51 @@ def launch(tmp_path: Path, scenario: str, **env: str) -> tuple[int, str, float]:
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> float:
+    """Seconds of a trivial 2-rank job here and now: the launch and imports that load
+    stretches. A job "ends" when it ends within its timeouts plus 10 s plus three of these."""
+    status, output, seconds = launch(tmp_path_factory.mktemp("baseline"), "trivial")
+    assert status == 0, output
+    return 3 * seconds + 10
+
+
 @single_process
 @pytest.mark.mpi(min_size=1)
-def test_an_exception_on_one_rank_ends_a_plain_python_job(tmp_path):
+def test_an_exception_on_one_rank_ends_a_plain_python_job(tmp_path, baseline):
     status, output, seconds = launch(tmp_path, "raise")
-    assert status != 0 and seconds < 20, (status, seconds, output)
+    assert status != 0 and seconds < baseline, (status, seconds, output)
     assert "[pympar rank 1/2] uncaught ValueError: boom on purpose; aborting the job" in output
     assert "Traceback" in output, output
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
-def test_a_timeout_inside_initialize_parallel_ends_a_plain_python_job(tmp_path):
+def test_a_timeout_inside_initialize_parallel_ends_a_plain_python_job(tmp_path, baseline):
     # Without the hooks in place before its first collective, rank 0 would end quietly
     # and the job would wait for rank 1 (and then in MPI_Finalize).
     status, output, seconds = launch(tmp_path, "init_late", PYMPAR_TIMEOUT="2")
-    assert status != 0 and seconds < 10, (status, seconds, output)
+    assert status != 0 and seconds < 2 + baseline, (status, seconds, output)
     assert ("[pympar rank 0/2] uncaught CollectiveTimeoutError: initialize_parallel did not "
             "complete within 2 s on rank 0 of 2") in output, output
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
-def test_an_exception_in_a_thread_ends_the_job(tmp_path):
+def test_an_exception_in_a_thread_ends_the_job(tmp_path, baseline):
     status, output, seconds = launch(tmp_path, "thread")
-    assert status != 0 and seconds < 20, (status, seconds, output)
+    assert status != 0 and seconds < baseline, (status, seconds, output)
     assert ("[pympar rank 1/2] uncaught KeyError in thread 'worker': 'thread boom'; "
             "aborting the job") in output, output
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
-def test_sys_exit_on_one_rank_ends_the_job_after_the_timeout(tmp_path):
+def test_sys_exit_on_one_rank_ends_the_job_after_the_timeout(tmp_path, baseline):
+    # Rank 0 waits in a raw MPI barrier, which pympar cannot see: rank 1 waits for it at
+    # the end of the program, for the watchdog's timeout, then ends the job.
     status, output, seconds = launch(tmp_path, "exit_one", PYMPAR_TIMEOUT="2")
-    assert status != 0 and seconds < 20, (status, seconds, output)
+    assert status != 0 and seconds < 2 + baseline, (status, seconds, output)
     assert ("[pympar rank 1/2] this rank reached the end of the program (return or sys.exit) "
             "but other ranks did not within PYMPAR_TIMEOUT=2 s; aborting the job") in output, \
         (status, seconds, output)
