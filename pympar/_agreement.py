@@ -4,15 +4,13 @@ Before its data call every collective of more than one rank writes its signature
 call's key and :func:`label` hashed) to the group's board (:mod:`pympar._board`) and
 reads every rank's; when they differ every rank raises the same
 :class:`~pympar.errors.CollectiveMismatchError` (:func:`pympar.debug.report`). A rank
-refusing its own arguments joins with :data:`~pympar._board.REFUSED` (:func:`refuse`). A
-gather of unknown extents learns them after its check in one small exchange
-(:func:`extents`). :func:`label` and :func:`agree` are public in :mod:`pympar.collectives`.
+refusing its own arguments joins with :data:`~pympar._board.REFUSED` (:func:`refuse`); a
+gather of unknown extents learns them after its check (:func:`extents`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import zlib
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,8 @@ from mpi4py import MPI
 
 from . import debug
 from ._board import REFUSED
+from ._comm_state import freed_error
+from ._plans import signature
 from .errors import CollectiveMismatchError, wait
 
 # The label of the code running collectives (see label()), and those it is nested in.
@@ -65,30 +65,22 @@ def within(name: str | None) -> str | None:
     return f"{_label}/{name}" if name else _label
 
 
-def describe(shown: str, name: str | None) -> str:
-    """A call in words for error messages: ``shown`` plus the label it ran under."""
-    return f"{shown} in {name}" if name else shown
-
-
 def check(group: Any, sig: int, shown: str, name: str | None) -> None:
     """The agreement check: raise on every rank of ``group`` unless every rank passes ``sig``."""
     if not group._state.board.agree(sig, group, shown, debug._timeout):
-        debug.report(group, describe(shown, name))
+        debug.report(group, f"{shown} in {name}" if name else shown)
 
 
 def refuse(group: Any, what: str, error: Exception) -> None:
     """Before this rank raises ``error`` about its own arguments, make the others raise too.
 
-    Where the others are about to make a collective, this rank joins their check with a
-    signature no call has: every rank raises :class:`~pympar.errors.CollectiveMismatchError`
-    naming ``error`` (``what`` the call refused). It returns when every rank refused.
+    This rank joins the others' check with a signature no call has: every rank raises
+    :class:`~pympar.errors.CollectiveMismatchError` naming ``error`` (``what`` the call
+    refused). It returns when every rank refused.
     """
     state = getattr(group, "_state", None)
-    if state is None or state.board is None or group.comm == MPI.COMM_NULL:
-        return
-    shown = f"{what}, refused by this rank: {error}"
-    if not state.board.agree(REFUSED, group, shown, debug._timeout):
-        debug.report(group, describe(shown, within(None)))
+    if state is not None and state.board is not None and group.comm != MPI.COMM_NULL:
+        check(group, REFUSED, f"{what}, refused by this rank: {error}", within(None))
 
 
 def agree(group: Any, key: tuple, shown: str) -> None:
@@ -104,10 +96,9 @@ def agree(group: Any, key: tuple, shown: str) -> None:
     if group.size == 1:
         return
     if group.comm == MPI.COMM_NULL:
-        raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
-                           f"manager.destroy_parallel); use the groups of the current state")
+        raise freed_error(shown, group)
     name = within(None)
-    check(group, zlib.crc32(repr((key, name)).encode()) | 1, shown, name)
+    check(group, signature(key, name), shown, name)
 
 
 def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,

@@ -13,7 +13,8 @@ from mpi4py import MPI
 from . import _board, backend
 from ._plans import Plan
 
-__all__ = ["Communicator", "CommState", "MAX_PLANS", "MAX_BUFFERS", "MAX_BUFFER_BYTES"]
+__all__ = ["Communicator", "CommState", "freed_error", "MAX_PLANS", "MAX_BUFFERS",
+           "MAX_BUFFER_BYTES"]
 
 MAX_PLANS = 512
 MAX_BUFFERS = 16
@@ -29,6 +30,12 @@ class Communicator(Protocol):
     rank: int
     size: int
     _state: CommState
+
+
+def freed_error(what: str, group: Communicator) -> RuntimeError:
+    """The error of ``what`` called on ``group`` after :meth:`pympar.group.Group.free`."""
+    return RuntimeError(f"{what}: group {group.name!r} has been freed (Group.free or "
+                        f"manager.destroy_parallel); use the groups of the current state")
 
 
 class CommState:

@@ -18,6 +18,11 @@ import numpy as np
 from mpi4py import MPI
 
 
+def signature(key: tuple, label: str | None) -> int:
+    """The agreement check's 32-bit signature (odd) of the call ``key`` under ``label``."""
+    return zlib.crc32(repr((key, label)).encode()) | 1
+
+
 class Blocks:
     """An axis of a C-ordered shape cut into one block per rank.
 
@@ -90,10 +95,8 @@ class Plan:
         self.signatures: dict[str | None, int] = {}
 
     def signature(self, label: str | None) -> int:
-        """The agreement check's 32-bit signature of this call under ``label`` (odd)."""
-        sig = self.signatures.get(label)
-        if sig is None:
-            sig = self.signatures[label] = zlib.crc32(repr((self.key, label)).encode()) | 1
+        """:func:`signature` of this call under ``label``, cached."""
+        sig = self.signatures[label] = signature(self.key, label)
         return sig
 
     def free(self) -> None:

@@ -1,14 +1,16 @@
-"""The path every collective call takes once planned: check, pack, call MPI, unpack (private).
+"""The path every collective call takes: validate, plan, check, pack, call MPI, unpack (private).
 
-:func:`run` is the common tail of :mod:`pympar.collectives`: it refuses an ``out=`` that
-does not fit or overlaps the input (CuPy arrays compared by their device pointer ranges),
-makes the call's one agreement check, and hands over to :func:`move`.
+:func:`run` is the common body of :mod:`pympar.collectives`: it looks up (or builds) the
+call's plan, refuses an ``out=`` that does not fit or overlaps the input (CuPy arrays
+compared by their device pointer ranges), makes the call's one agreement check, and hands
+over to :func:`move`. A rank refusing its own arguments makes the others raise too.
 """
 
 from __future__ import annotations
 
+import operator
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -20,6 +22,26 @@ from ._plans import Plan, pack, unpack
 from .errors import CollectiveMismatchError, wait
 
 _IN_PLACE = MPI.IN_PLACE
+
+
+def as_array(x: Any, what: str) -> Any:
+    """``x`` if it is a NumPy or CuPy array (a NumPy scalar becomes a 0-d array), else
+    ``TypeError`` naming ``what``: array-likes are refused, not converted (a copy)."""
+    if type(x) is not np.ndarray:
+        if isinstance(x, (np.ndarray, np.generic)):
+            return np.asarray(x)
+        if not backend.is_cupy_array(x):
+            raise TypeError(f"{what}: x must be a numpy.ndarray or cupy.ndarray, not "
+                            f"{type(x).__name__} (convert it with numpy.asarray)")
+    return x
+
+
+def index(value: Any, what: str, name: str) -> int:
+    """``value`` as an int, else ``TypeError`` naming ``what`` and the argument ``name``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be an int, not {type(value).__name__}") from None
 
 
 def _overlaps(out: Any, x: Any) -> bool:
@@ -69,34 +91,38 @@ def claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> in
     raise _unfit(x, out, shape, shown, native)
 
 
-# --------------------------------------------------------------------------- the path
-
-
-def run(group: Communicator, plan: Plan, x: Any, out: Any, name: str | None,
-         checked: bool = False) -> Any:
-    """Check, then move: the common tail of every collective (``checked``: already done)."""
-    if plan.swap:
-        x = x.astype(x.dtype.newbyteorder("="))
+def run(group: Communicator, x: Any, out: Any, name: str | None, what: str,
+        build: Callable[..., Plan], params: tuple, checked: bool = False) -> Any:
+    """The body of the collective ``what``: its plan (``build(group, x, *params)`` once per
+    key), the check (``checked``: already made), then :func:`move`."""
+    try:
+        if type(x) is not np.ndarray:
+            x = as_array(x, name or what)
+        key = (what, x.shape, x.dtype) + params
+        plan = group._state.plans.get(key)
+        if plan is None:
+            plan = group._state.remember(key, build(group, x, *params))
+        if plan.swap:
+            x = x.astype(x.dtype.newbyteorder("="))
+        dest = None if out is None else destination(group, plan, x, out)
+    except (TypeError, ValueError) as err:
+        if not checked:  # after an exchange of extents every rank raises alike
+            refuse(group, what, err)
+        raise
     own = name
     if _agreement._label is not None:
         name = f"{_agreement._label}/{name}" if name else _agreement._label
-    try:
-        dest = None if out is None else destination(group, plan, x, out)
-    except (TypeError, ValueError) as err:
-        if not checked:
-            refuse(group, plan.key[0], err)
-        raise
-    if not checked and group.size > 1 and not group._state.board.agree(
-            plan.signatures.get(name) or plan.signature(name), group, plan.shown,
-            debug._timeout):
-        debug.report(group, _agreement.describe(plan.shown, name))
+    if not checked and group.size > 1:
+        sig = plan.signatures.get(name) or plan.signature(name)
+        if not group._state.board.agree(sig, group, plan.shown, debug._timeout):
+            debug.report(group, f"{plan.shown} in {name}" if name else plan.shown)
     if not stats._active:
         return move(group, plan, x, dest, out)
     start = time.perf_counter()
     y = move(group, plan, x, dest, out)
     # A layer's collectives keep their kind ("Linear3D.forward:all_gather"); a mapping's
     # label already says it.
-    kind = own or (f"{name}:{plan.key[0]}" if name else plan.key[0])
+    kind = own or (f"{name}:{what}" if name else what)
     stats.add(group.name, kind, x.nbytes, y.nbytes, time.perf_counter() - start)
     return y
 
@@ -166,26 +192,18 @@ def move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
 def _call_in_parts(group: Communicator, plan: Plan, send: Any, recv: Any, timed: bool) -> None:
     """The data call under a timeout (its non-blocking twin, polled) or, for MPI-3 and a
     count above INT_MAX, as a few calls on consecutive slices."""
-    method = plan.method
+    method, chunk = plan.method, plan.chunk
     if timed:
         method = "I" + method[0].lower() + method[1:]  # Allgatherv -> Iallgatherv
     call = getattr(group.comm, method)
-    if plan.chunk is None:
-        parts = [(send, recv)]
-    else:
-        flat_r = recv.reshape(-1)
-        flat_s = send.reshape(-1) if send is not None and send is not _IN_PLACE else send
-        parts = [(flat_s[lo:lo + plan.chunk] if flat_s is not None and flat_s is not _IN_PLACE
-                  else flat_s, flat_r[lo:lo + plan.chunk])
-                 for lo in range(0, flat_r.size, plan.chunk)]
-    for s, r in parts:
-        request = call(*_args(plan, s, r))
+    for lo in range(0, recv.size, chunk) if chunk else (0,):
+        s, r = send, recv
+        if chunk:
+            r = recv.reshape(-1)[lo:lo + chunk]
+            if s is not None and s is not _IN_PLACE:
+                s = s.reshape(-1)[lo:lo + chunk]
+        receive = [r, *plan.recv_spec]
+        request = call(receive, *plan.tail) if s is None else call(
+            s if s is _IN_PLACE else [s, *plan.send_spec], receive, *plan.tail)
         if timed:
             wait(request, plan.shown, group, debug._timeout)
-
-
-def _args(plan: Plan, send: Any, recv: Any) -> tuple:
-    receive = [recv, *plan.recv_spec]
-    if send is None:
-        return (receive, *plan.tail)
-    return (send if send is _IN_PLACE else [send, *plan.send_spec], receive, *plan.tail)

@@ -12,7 +12,7 @@ from typing import Sequence
 from mpi4py import MPI
 
 from . import collectives as _collectives
-from ._comm_state import CommState
+from ._comm_state import CommState, freed_error
 
 __all__ = ["Group"]
 
@@ -98,8 +98,7 @@ class Group:
             When the group has been freed.
         """
         if self.freed:
-            raise RuntimeError(f"barrier: group {self.name!r} has been freed (Group.free or "
-                               f"manager.destroy_parallel); use the groups of the current state")
+            raise freed_error("barrier", self)
         self.comm.Barrier()
 
     @property

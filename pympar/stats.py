@@ -56,24 +56,15 @@ class Recorder:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        # Remove this exact object (the last occurrence), even if recorders were
-        # exited out of order.
-        for i in range(len(_active) - 1, -1, -1):
-            if _active[i] is self:
-                del _active[i]
-                break
+        # This exact object's last entry, even if recorders were exited out of order.
+        del _active[len(_active) - 1 - _active[::-1].index(self)]
 
     def add(self, group: str, operation: str, bytes_in: int, bytes_out: int,
             seconds: float) -> None:
         """Account one call (see :func:`add`)."""
-        row = self.rows.get((group, operation))
-        if row is None:
-            self.rows[(group, operation)] = [1, int(bytes_in), int(bytes_out), float(seconds)]
-        else:
-            row[0] += 1
-            row[1] += int(bytes_in)
-            row[2] += int(bytes_out)
-            row[3] += float(seconds)
+        row = self.rows.setdefault((group, operation), [0, 0, 0, 0.0])
+        row[:] = (row[0] + 1, row[1] + int(bytes_in), row[2] + int(bytes_out),
+                  row[3] + float(seconds))
 
     def reset(self) -> None:
         """Forget every total."""
@@ -106,21 +97,15 @@ class Recorder:
         """Return the totals as an aligned text table (group, operation, calls, bytes in,
         bytes out, seconds) with a totals line."""
         header = ("group", "operation", "calls", "bytes in", "bytes out", "seconds")
-        body = [(g, op, str(c), str(bi), str(bo), f"{s:.6f}")
-                for (g, op), (c, bi, bo, s) in sorted(self.rows.items())]
-        t = self.totals()
-        footer = ("total", "", str(t["calls"]), str(t["bytes_in"]), str(t["bytes_out"]),
-                  f"{t['seconds']:.6f}")
-        lines = [header, *body, footer]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-
-        def fmt(line: tuple[str, ...]) -> str:
-            # Names left-aligned, numbers right-aligned.
-            return "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                             for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
-
+        rows = [*sorted(self.rows.items()), (("total", ""), tuple(self.totals().values()))]
+        body = [(g, op, str(c), str(bi), str(bo), f"{s:.6f}") for (g, op), (c, bi, bo, s) in rows]
+        widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
+        # Names left-aligned, numbers right-aligned.
+        lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                           for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+                 for line in (header, *body)]
         rule = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(header), rule, *map(fmt, body), rule, fmt(footer)])
+        return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
 
     def __repr__(self) -> str:
         t = self.totals()
