@@ -86,12 +86,11 @@ def refuse(group: Any, what: str, error: Exception) -> None:
 def agree(group: Any, key: tuple, shown: str) -> None:
     """Check that every rank of ``group`` reaches this point with an equal ``key``.
 
-    One agreement check of the collectives' own kind, for communication they do not
-    cover (a ring of point-to-point messages) or cover too coarsely (one flat buffer whose
-    parts every rank must order alike); the enclosing :func:`label` is compared too.
-    ``key`` is hashed through its ``repr``; ``shown`` is this rank's call in words. Every
-    rank raises :class:`~pympar.errors.CollectiveMismatchError` when the keys differ
-    (``RuntimeError`` for a freed group); a group of one rank does nothing.
+    The collectives' own check (the enclosing :func:`label` compared too), for what they
+    do not cover (a ring of point-to-point messages) or too coarsely (a flat buffer whose
+    parts every rank must order alike). ``key`` is hashed through its ``repr``; ``shown``
+    is the call in words. Every rank raises :class:`~pympar.errors.CollectiveMismatchError`
+    when the keys differ (``RuntimeError`` for a freed group).
     """
     if group.size == 1:
         return

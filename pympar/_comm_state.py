@@ -13,9 +13,6 @@ from mpi4py import MPI
 from . import _board, backend
 from ._plans import Plan
 
-__all__ = ["Communicator", "CommState", "freed_error", "MAX_PLANS", "MAX_BUFFERS",
-           "MAX_BUFFER_BYTES"]
-
 MAX_PLANS = 512
 MAX_BUFFERS = 16
 MAX_BUFFER_BYTES = 2**31  # per communicator; one larger message still gets its buffer

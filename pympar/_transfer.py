@@ -162,12 +162,9 @@ def move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
         try:
             if plan.chunk is None and not timed:
                 receive = [wrecv, *plan.recv_spec]
-                if wsend is None:
-                    call(receive, *plan.tail)
-                elif wsend is _IN_PLACE:
-                    call(wsend, receive, *plan.tail)
-                else:
-                    call([wsend, *plan.send_spec], receive, *plan.tail)
+                call(receive, *plan.tail) if wsend is None else call(
+                    wsend if wsend is _IN_PLACE else [wsend, *plan.send_spec], receive,
+                    *plan.tail)
             else:
                 _call_in_parts(group, plan, wsend, wrecv, timed)
         except MPI.Exception as err:

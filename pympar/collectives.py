@@ -44,14 +44,13 @@ from .partition import balanced_sizes, block_slice
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
            "agree", "refuse", "balanced_sizes", "block_slice", "large_counts_supported",
-           "INT_MAX", "as_array"]
+           "INT_MAX"]
 
 #: The largest count or displacement an MPI-3 (``int``) interface can take.
 INT_MAX = 2**31 - 1
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
-_MOVE: Any = object()  # the op of a collective that reduces nothing
 
 
 def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
@@ -80,14 +79,16 @@ def _movable(x: Any, what: str) -> str:
 
 
 def _new_plan(group: Communicator, x: Any, what: str, out_shape: tuple[int, ...],
-              key: tuple, shown: str, op: Any = _MOVE) -> Plan:
-    """A plan's common parts, after checking the group, the dtype and the op."""
+              masked: tuple[int, ...], **fields: Any) -> Plan:
+    """A plan's common parts, after checking the group, the dtype and any ``op``: its key
+    is ``what``, the dtype, ``masked`` (the shape, with -1 for the extent that may differ
+    between ranks) and the ``fields``, which its text names after the shape and dtype."""
     if group.comm == MPI.COMM_NULL:
         raise freed_error(what, group)
     movable = _movable(x, what)
     native = work = x.dtype.newbyteorder("=")
-    mpi_op = None
-    if op is not _MOVE:
+    mpi_op, op = None, fields.get("op")
+    if "op" in fields:
         table = _BOOL_OPS if native.kind == "b" else _OPS
         mpi_op = table.get(op) if isinstance(op, str) else None
         if mpi_op is None:
@@ -95,8 +96,10 @@ def _new_plan(group: Communicator, x: Any, what: str, out_shape: tuple[int, ...]
         if native.kind == "c" and op != "sum":
             raise TypeError(f"{what}: op={op!r} is not defined for complex dtype {native}")
         work = backend.accumulation_dtype(native)
+    shown = "".join(f", {name}={value!r}" for name, value in fields.items())
     plan = Plan(out_shape, work, not x.dtype.isnative, backend.mpi_datatype(work), mpi_op,
-                (what, movable, *key), shown)
+                (what, movable, masked, *fields.values()),
+                f"{what}(shape={x.shape}, dtype={x.dtype}{shown})")
     plan.cast = work != native
     return plan
 
@@ -122,32 +125,44 @@ def _sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str) -> tup
                      f"({group.rank}) holding {x.shape[axis]}")
 
 
-def _learn_sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str, key: tuple,
-                 claim: int, label: str | None) -> tuple[tuple[int, ...], bool]:
-    """Every rank's extent along ``axis``, and whether the call's check was made for it.
+def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str | None,
+                 what: str, axes: tuple) -> tuple[Any, tuple[int, ...], bool]:
+    """``x``, every rank's extent along its gathered axis, and whether the check was made.
 
-    Given ``sizes``, they are checked. Else every rank's extent (and ``claim``, see
-    :func:`pympar._transfer.claim`) is learned after the check of ``key``, the call with
-    this axis's extent masked, under ``label`` as the ordinary check compares it.
+    ``axes`` are the call's (``(axis,)``, or ``(split_axis, concat_axis)``). Given
+    ``sizes``, they are checked. Else every rank's extent (and ``out``'s, see
+    :func:`pympar._transfer.claim`) is learned after the check of the call with this
+    axis's extent masked, under ``label`` as the ordinary check compares it.
     """
-    if sizes is not None:
-        return _sizes(group, x, axis, sizes, what), False
+    try:
+        x = as_array(x, label or what)
+        axes = (_axis(axes[0], x, what),) if len(axes) == 1 else _axes(x, *axes)
+        ax = axes[-1]
+        masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
+        if sizes is not None:
+            return x, _sizes(group, x, ax, sizes, what), False
+        mine = list(masked)
+        if len(axes) == 2:  # the result's split axis holds this rank's block
+            mine[axes[0]] = balanced_sizes(x.shape[axes[0]], group.size)[group.rank]
+        claim = out_claim(x, out, ax, tuple(mine), what)
+    except (TypeError, ValueError) as err:
+        refuse(group, what, err)
+        raise
     if group.size == 1:
-        return (x.shape[axis],), True
+        return x, (x.shape[ax],), True
     if group.comm == MPI.COMM_NULL:
         raise freed_error(what, group)
     name = _agreement.within(label)
-    shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={axis}, sizes unknown)"
-    sig = signature((what, _movable(x, what), *key), name)
-    return _agreement.extents(group, sig, shown, name, x.shape[axis], claim), True
+    shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes unknown)"
+    sig = signature((what, _movable(x, what), masked, *axes), name)
+    return x, _agreement.extents(group, sig, shown, name, x.shape[ax], claim), True
 
 
 # --------------------------------------------------------------------------- plans
 
 
 def _plan_all_reduce(group: Communicator, x: Any, op: Any) -> Plan:
-    plan = _new_plan(group, x, "all_reduce", x.shape, (x.shape, op),
-                     f"all_reduce(shape={x.shape}, dtype={x.dtype}, op={op!r})", op)
+    plan = _new_plan(group, x, "all_reduce", x.shape, x.shape, op=op)
     plan.method, plan.tail = "Allreduce", (plan.op,)
     return _big_counts(group, plan, (x.size,))
 
@@ -157,8 +172,7 @@ def _plan_broadcast(group: Communicator, x: Any, root: Any) -> Plan:
     if not 0 <= root < group.size:
         raise ValueError(f"broadcast: root {root} is not a rank of group {group.name!r} "
                          f"of size {group.size} (root is a rank in the group)")
-    plan = _new_plan(group, x, "broadcast", x.shape, (x.shape, root),
-                     f"broadcast(shape={x.shape}, dtype={x.dtype}, root={root})")
+    plan = _new_plan(group, x, "broadcast", x.shape, x.shape, root=root)
     plan.method, plan.tail = "Bcast", (root,)
     return _big_counts(group, plan, (x.size,))
 
@@ -168,9 +182,8 @@ def _plan_all_gather(group: Communicator, x: Any, axis: Any, sizes: tuple) -> Pl
     sizes = _sizes(group, x, ax, sizes, "all_gather")
     shape = x.shape[:ax] + (sum(sizes),) + x.shape[ax + 1:]
     b = Blocks(shape, ax, sizes)
-    plan = _new_plan(group, x, "all_gather", shape,
-                     (shape[:ax] + (-1,) + shape[ax + 1:], ax, sizes),
-                     f"all_gather(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes={sizes})")
+    plan = _new_plan(group, x, "all_gather", shape, shape[:ax] + (-1,) + shape[ax + 1:],
+                     axis=ax, sizes=sizes)
     plan.recv = None if b.lead == 1 else b
     plan.method = "Allgather" if b.even else "Allgatherv"
     if not b.even:
@@ -183,9 +196,8 @@ def _plan_reduce_scatter(group: Communicator, x: Any, axis: Any, op: Any) -> Pla
     sizes = balanced_sizes(x.shape[ax], group.size)
     b = Blocks(x.shape, ax, sizes)
     plan = _new_plan(group, x, "reduce_scatter",
-                     x.shape[:ax] + (sizes[group.rank],) + x.shape[ax + 1:], (x.shape, ax, op),
-                     f"reduce_scatter(shape={x.shape}, dtype={x.dtype}, axis={ax}, op={op!r})",
-                     op)
+                     x.shape[:ax] + (sizes[group.rank],) + x.shape[ax + 1:], x.shape,
+                     axis=ax, op=op)
     plan.send = None if b.lead == 1 else b
     plan.method = "Reduce_scatter_block" if b.even else "Reduce_scatter"
     plan.tail = (plan.op,) if b.even else (b.counts, plan.op)
@@ -209,9 +221,8 @@ def _plan_all_to_all(group: Communicator, x: Any, split_axis: Any, concat_axis: 
     shape[split], shape[cat] = split_sizes[group.rank], sum(sizes)
     sb, rb = Blocks(x.shape, split, split_sizes), Blocks(tuple(shape), cat, sizes)
     plan = _new_plan(group, x, "all_to_all", tuple(shape),
-                     (x.shape[:cat] + (-1,) + x.shape[cat + 1:], split, cat, sizes),
-                     f"all_to_all(shape={x.shape}, dtype={x.dtype}, split_axis={split}, "
-                     f"concat_axis={cat}, sizes={sizes})")
+                     x.shape[:cat] + (-1,) + x.shape[cat + 1:], split_axis=split,
+                     concat_axis=cat, sizes=sizes)
     plan.send, plan.recv = None if sb.lead == 1 else sb, None if rb.lead == 1 else rb
     if sb.even and rb.even and sb.counts[0] == rb.counts[0]:
         plan.method = "Alltoall"
@@ -289,16 +300,7 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
     """
     checked = False
     if type(sizes) is not tuple:
-        try:
-            x = as_array(x, label or "all_gather")
-            ax = _axis(axis, x, "all_gather")
-            masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
-            claim = 0 if sizes is not None else out_claim(x, out, ax, masked, "all_gather")
-            sizes, checked = _learn_sizes(group, x, ax, sizes, "all_gather", (masked, ax),
-                                          claim, label)
-        except (TypeError, ValueError) as err:
-            refuse(group, "all_gather", err)
-            raise
+        x, sizes, checked = _learn_sizes(group, x, out, sizes, label, "all_gather", (axis,))
     return run(group, x, out, label, "all_gather", _plan_all_gather, (axis, sizes), checked)
 
 
@@ -360,19 +362,7 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
     """
     checked = False
     if type(sizes) is not tuple:
-        try:
-            x = as_array(x, label or "all_to_all")
-            split, cat = _axes(x, split_axis, concat_axis)
-            masked = x.shape[:cat] + (-1,) + x.shape[cat + 1:]
-            claim = 0
-            if sizes is None:
-                mine = list(masked)
-                mine[split] = balanced_sizes(x.shape[split], group.size)[group.rank]
-                claim = out_claim(x, out, cat, tuple(mine), "all_to_all")
-            sizes, checked = _learn_sizes(group, x, cat, sizes, "all_to_all",
-                                          (masked, split, cat), claim, label)
-        except (TypeError, ValueError) as err:
-            refuse(group, "all_to_all", err)
-            raise
+        x, sizes, checked = _learn_sizes(group, x, out, sizes, label, "all_to_all",
+                                         (split_axis, concat_axis))
     return run(group, x, out, label, "all_to_all", _plan_all_to_all,
                (split_axis, concat_axis, sizes), checked)
