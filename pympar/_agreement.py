@@ -1,11 +1,9 @@
 """The agreement check, one per collective call, and the label it compares (private).
 
-Before its data call every collective of more than one rank writes its signature (the
-call's key and :func:`label` hashed) to the group's board (:mod:`pympar._board`) and
-reads every rank's; when they differ every rank raises the same
-:class:`~pympar.errors.CollectiveMismatchError` (:func:`pympar.debug.report`). A rank
-refusing its own arguments joins with :data:`~pympar._board.REFUSED` (:func:`refuse`); a
-gather of unknown extents learns them after its check (:func:`extents`).
+Every collective of more than one rank writes its signature (its key and :func:`label`
+hashed) to the group's board (:mod:`pympar._board`) and reads every rank's; when they
+differ every rank raises (:func:`pympar.debug.report`). A rank refusing its arguments
+joins with :data:`~pympar._board.REFUSED` (:func:`refuse`).
 """
 
 from __future__ import annotations

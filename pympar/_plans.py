@@ -1,10 +1,9 @@
 """Plans of the collectives: what a call needs that depends only on its metadata (private).
 
-A :class:`Plan` is computed once per call kind and cached on the group's
-:class:`~pympar._comm_state.CommState`. :class:`Blocks` cuts an axis into rank blocks;
-:func:`pack` and :func:`unpack` move a non-leading axis to and from rank-major order;
-:func:`in_units` re-expresses counts beyond an MPI-3 ``int`` in a derived datatype, which
-the plan owns and frees (:meth:`Plan.free`).
+A :class:`Plan` is built once per call kind and cached on the group's ``CommState``;
+:class:`Blocks` cuts an axis into rank blocks, which :func:`pack` and :func:`unpack` move
+to and from rank-major order; :func:`in_units` expresses counts beyond an MPI-3 ``int`` in
+a derived datatype, which the plan frees (:meth:`Plan.free`).
 """
 
 from __future__ import annotations
@@ -70,34 +69,27 @@ def unpack(dest: Any, flat: Any, b: Blocks) -> None:
 class Plan:
     """What one collective call needs that depends only on metadata, computed once.
 
-    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (without the
-    send part for ``Bcast``; ``method`` is the blocking mpi4py name). ``send``/``recv``
-    are the rank blocks to pack/unpack when they do not lie rank-major in memory, else
-    None. ``work`` is the dtype on the wire (float32 for half-precision sums); ``chunk``
-    splits a single-buffer call whose count MPI-3 cannot express. ``key`` is what every
-    rank must pass alike and ``shown`` the call in words; :meth:`signature` hashes the key
-    with a label for the agreement check.
+    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (no send part
+    for ``Bcast``; the blocking mpi4py name). ``send``/``recv``: the rank blocks to pack or
+    unpack, else None; ``work``: the dtype on the wire (float32 for half-precision sums);
+    ``chunk``: the slices of a count MPI-3 cannot express; ``key``: what every rank passes
+    alike, and ``signatures`` its hashes per label; ``shown``: the call in words.
     """
 
-    __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "op", "method", "send_spec",
+    __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "method", "send_spec",
                  "recv_spec", "tail", "send", "recv", "chunk", "key", "shown", "signatures",
                  "derived")
 
     def __init__(self, out_shape: tuple[int, ...], work: np.dtype, swap: bool,
                  mpi_type: MPI.Datatype, op: MPI.Op | None, key: tuple, shown: str) -> None:
         self.out_shape, self.work, self.swap = out_shape, work, swap
-        self.mpi_type, self.op, self.key, self.shown = mpi_type, op, key, shown
+        self.mpi_type, self.key, self.shown = mpi_type, key, shown
         self.cast = False
         self.method: str | None = None
         self.send_spec = self.recv_spec = (mpi_type,)
-        self.tail: tuple = ()
+        self.tail: tuple = () if op is None else (op,)
         self.send = self.recv = self.chunk = self.derived = None
         self.signatures: dict[str | None, int] = {}
-
-    def signature(self, label: str | None) -> int:
-        """:func:`signature` of this call under ``label``, cached."""
-        sig = self.signatures[label] = signature(self.key, label)
-        return sig
 
     def free(self) -> None:
         """Free the derived datatype of :func:`in_units`, if any."""
@@ -109,9 +101,8 @@ class Plan:
 def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
     """Express the plan's counts in a contiguous derived datatype, for MPI-3 libraries.
 
-    ``numbers`` are every count and displacement of the call, in elements. The unit is
-    the largest divisor of all of them that brings them within ``int_max``; ``ValueError``
-    when there is none (uneven blocks of unrelated sizes).
+    ``numbers``: every count and displacement, in elements. The unit is their largest
+    common divisor that brings them within ``int_max`` (else ``ValueError``).
     """
     g, largest = math.gcd(*numbers), max(numbers)
     divisors = {d for k in range(1, math.isqrt(g) + 1) if g % k == 0 for d in (k, g // k)}

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from . import _agreement, backend, debug, stats
 from ._agreement import refuse
 from ._comm_state import Communicator
-from ._plans import Plan, pack, unpack
+from ._plans import Plan, pack, signature, unpack
 from .errors import CollectiveMismatchError, wait
 
 _IN_PLACE = MPI.IN_PLACE
@@ -113,7 +113,9 @@ def run(group: Communicator, x: Any, out: Any, name: str | None, what: str,
     if _agreement._label is not None:
         name = f"{_agreement._label}/{name}" if name else _agreement._label
     if not checked and group.size > 1:
-        sig = plan.signatures.get(name) or plan.signature(name)
+        sig = plan.signatures.get(name)
+        if sig is None:
+            sig = plan.signatures[name] = signature(plan.key, name)
         if not group._state.board.agree(sig, group, plan.shown, debug._timeout):
             debug.report(group, f"{plan.shown} in {name}" if name else plan.shown)
     if not stats._active:

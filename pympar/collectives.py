@@ -8,12 +8,11 @@ rank makes the same call, pack, call MPI, unpack.
 
 Notes
 -----
-* Agreement: every call of more than one rank first checks that all ranks pass the same
-  operation, dtype, extents (those not gathered), axis, sizes, root, op and
-  :func:`label`, so ranks making different calls raise the same
-  :class:`~pympar.errors.CollectiveMismatchError`; a rank refusing its own arguments
-  joins the check with a signature no call has (:func:`refuse`). On one node the check is
-  a write and a read of shared memory; across nodes one 8-byte ``Iallgather``.
+* Agreement: all ranks must pass the same operation, dtype, extents (those not gathered),
+  axis, sizes, root, op and :func:`label`, else every rank raises the same
+  :class:`~pympar.errors.CollectiveMismatchError`, also when one rank refuses its own
+  arguments (:func:`refuse`). On one node the check is a write and a read of shared
+  memory; across nodes one 8-byte ``Iallgather``.
 * Layout: MPI sees C-contiguous buffers only; a non-leading axis is packed into rank-major
   blocks of a cached scratch buffer, so results follow ``numpy.concatenate`` and
   ``numpy.array_split`` (uneven extents: :mod:`pympar.partition`). A gather given no
@@ -127,12 +126,10 @@ def _sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str) -> tup
 
 def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str | None,
                  what: str, axes: tuple) -> tuple[Any, tuple[int, ...], bool]:
-    """``x``, every rank's extent along its gathered axis, and whether the check was made.
-
-    ``axes`` are the call's (``(axis,)``, or ``(split_axis, concat_axis)``). Given
-    ``sizes``, they are checked. Else every rank's extent (and ``out``'s, see
-    :func:`pympar._transfer.claim`) is learned after the check of the call with this
-    axis's extent masked, under ``label`` as the ordinary check compares it.
+    """``x``, every rank's extent along the gathered axis (the last of ``axes``, the call's
+    axes), and whether the check was made: given ``sizes`` are checked, else the extents
+    (and ``out``'s, see :func:`pympar._transfer.claim`) are learned after the check of the
+    call with this axis's extent masked, under ``label`` as the ordinary check compares it.
     """
     try:
         x = as_array(x, label or what)
@@ -163,7 +160,7 @@ def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str |
 
 def _plan_all_reduce(group: Communicator, x: Any, op: Any) -> Plan:
     plan = _new_plan(group, x, "all_reduce", x.shape, x.shape, op=op)
-    plan.method, plan.tail = "Allreduce", (plan.op,)
+    plan.method = "Allreduce"
     return _big_counts(group, plan, (x.size,))
 
 
@@ -200,7 +197,7 @@ def _plan_reduce_scatter(group: Communicator, x: Any, axis: Any, op: Any) -> Pla
                      axis=ax, op=op)
     plan.send = None if b.lead == 1 else b
     plan.method = "Reduce_scatter_block" if b.even else "Reduce_scatter"
-    plan.tail = (plan.op,) if b.even else (b.counts, plan.op)
+    plan.tail = plan.tail if b.even else (b.counts, *plan.tail)
     return plan
 
 
@@ -254,10 +251,8 @@ def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
     Raises
     ------
     ValueError, TypeError
-        For an unknown ``op``, max/min of complex, a dtype MPI cannot reduce, or a
-        wrong ``out``.
-    pympar.errors.CollectiveMismatchError
-        On every rank, when ranks pass different shapes, dtypes or ops.
+        For an unknown ``op``, max/min of complex, a dtype MPI cannot reduce, a wrong
+        ``out``; :class:`~pympar.errors.CollectiveMismatchError` when ranks differ.
     """
     return run(group, x, out, label, "all_reduce", _plan_all_reduce, (op,))
 

@@ -37,10 +37,8 @@ def add(group: str, operation: str, bytes_in: int, bytes_out: int, seconds: floa
 class Recorder:
     """Totals of calls, bytes in, bytes out and seconds per (group, operation).
 
-    A recorder collects while it is active, i.e. inside ``with recorder:``
-    (:func:`record` returns a fresh one). Entering it again later keeps adding
-    to the same totals; :meth:`reset` clears them. Totals are this rank's own:
-    each rank records what it did.
+    A recorder collects while it is active, inside ``with recorder:`` (again later: the
+    same totals go on; :meth:`reset` clears them). Totals are this rank's own.
 
     Attributes
     ----------
@@ -76,15 +74,8 @@ class Recorder:
                                                                  (0, 0, 0, 0.0)))))
 
     def as_dict(self) -> dict[str, Any]:
-        """Return the totals as plain data.
-
-        Returns
-        -------
-        dict
-            ``{"rows": [{"group", "operation", "calls", "bytes_in", "bytes_out",
-            "seconds"}, ...], "totals": {...}}``, rows sorted by group then
-            operation.
-        """
+        """Return ``{"rows": [{"group", "operation", "calls", "bytes_in", "bytes_out",
+        "seconds"}, ...], "totals": {...}}``, rows sorted by group then operation."""
         rows = [{"group": g, "operation": op, **dict(zip(_FIELDS, values))}
                 for (g, op), values in sorted(self.rows.items())]
         return {"rows": rows, "totals": self.totals()}
@@ -113,14 +104,6 @@ class Recorder:
 
 
 def record() -> Recorder:
-    """Return a new :class:`Recorder`, active inside ``with pympar.stats.record() as rec:``.
-
-    Examples
-    --------
-    >>> with record() as rec:
-    ...     pass
-    >>> rec.totals()["calls"]
-    0
-    """
+    """Return a new :class:`Recorder`, active inside ``with pympar.stats.record() as rec:``."""
     return Recorder()
 
