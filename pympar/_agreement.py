@@ -70,12 +70,9 @@ def check(group: Any, sig: int, shown: str, name: str | None) -> None:
 
 
 def refuse(group: Any, what: str, error: Exception) -> None:
-    """Before this rank raises ``error`` about its own arguments, make the others raise too.
-
-    This rank joins the others' check with a signature no call has: every rank raises
-    :class:`~pympar.errors.CollectiveMismatchError` naming ``error`` (``what`` the call
-    refused). It returns when every rank refused.
-    """
+    """Before this rank raises ``error`` about its own arguments (to ``what``), join the
+    others' check with a signature no call has: every rank raises
+    :class:`~pympar.errors.CollectiveMismatchError` naming it, unless every rank refused."""
     state = getattr(group, "_state", None)
     if state is not None and state.board is not None and group.comm != MPI.COMM_NULL:
         check(group, REFUSED, f"{what}, refused by this rank: {error}", within(None))
@@ -100,11 +97,9 @@ def agree(group: Any, key: tuple, shown: str) -> None:
 
 def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,
             claim: int = 0) -> tuple[int, ...]:
-    """Every rank's ``extent``, learned after the check of ``sig`` in one small exchange.
-
-    ``claim`` is this rank's ``out`` extent along the gathered axis plus one (0: no
-    ``out``): an ``out`` that does not fit the total on any rank makes every rank raise.
-    """
+    """Every rank's ``extent``, learned after the check of ``sig`` in one small exchange;
+    every rank raises when an ``out`` does not fit the total on any rank (``claim``: its
+    extent along the gathered axis plus one, 0 without one)."""
     check(group, sig, shown, name)
     mine = np.array([extent, claim], np.int64)
     table = np.empty((group.size, 2), np.int64)

@@ -1,6 +1,5 @@
-"""Per-communicator state of the collectives (plans, scratch buffers, the agreement board)
-and the protocol they see a group through, so that they need not import :mod:`pympar.group`.
-"""
+"""Per-communicator state of the collectives (plans, scratch, the agreement board) and the
+protocol they see a group through, so that they need not import :mod:`pympar.group`."""
 
 from __future__ import annotations
 
@@ -47,16 +46,15 @@ class CommState:
         self.board = _board.create(comm)
 
     def remember(self, key: tuple, plan: Plan) -> Plan:
-        """Cache ``plan`` under ``key`` (the cache is emptied when full)."""
+        """Cache ``plan`` under ``key`` (everything is released when the cache is full)."""
         if len(self.plans) >= MAX_PLANS:
-            self.clear_plans()
+            self.release()
         self.plans[key] = plan
         return plan
 
     def scratch(self, slot: str, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
-        """The C-contiguous scratch array for ``slot`` (contents undefined), of ``like``'s
-        array module; at most :data:`MAX_BUFFERS` arrays and :data:`MAX_BUFFER_BYTES`
-        bytes are kept, the oldest evicted first."""
+        """The C-contiguous scratch array of ``slot`` (contents undefined) in ``like``'s array
+        module; the oldest go beyond :data:`MAX_BUFFERS` arrays or :data:`MAX_BUFFER_BYTES`."""
         numpy = type(like) is np.ndarray
         key = (slot, shape, dtype, numpy)
         buffers = self.buffers
@@ -70,15 +68,11 @@ class CommState:
             buffer = buffers[key] = xp.empty(shape, dtype)
         return buffer
 
-    def clear_plans(self) -> None:
-        """Drop every plan, freeing the derived datatypes they own."""
+    def release(self) -> None:
+        """Drop the plans (freeing their derived datatypes) and the scratch buffers."""
         for plan in self.plans.values():
             plan.free()
         self.plans.clear()
-
-    def release(self) -> None:
-        """Drop the plans and the scratch buffers (rebuilt on the next call)."""
-        self.clear_plans()
         self.buffers.clear()
 
     def free(self) -> None:

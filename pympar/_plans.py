@@ -1,9 +1,7 @@
 """Plans of the collectives: what a call needs that depends only on its metadata (private).
 
 A :class:`Plan` is built once per call kind and cached on the group's ``CommState``;
-:class:`Blocks` cuts an axis into rank blocks, which :func:`pack` and :func:`unpack` move
-to and from rank-major order; :func:`in_units` expresses counts beyond an MPI-3 ``int`` in
-a derived datatype, which the plan frees (:meth:`Plan.free`).
+:func:`pack` and :func:`unpack` move rank :class:`Blocks` to and from rank-major order.
 """
 
 from __future__ import annotations
@@ -23,11 +21,9 @@ def signature(key: tuple, label: str | None) -> int:
 
 
 class Blocks:
-    """An axis of a C-ordered shape cut into one block per rank.
-
-    Seen as ``(lead, n, post)``, block ``q`` covers ``[:, offsets[q]:offsets[q] + sizes[q],
-    :]``; rank-major, it is ``counts[q]`` elements at ``displs[q]``.
-    """
+    """An axis of a C-ordered shape, seen as ``(lead, n, post)``, cut into one block per rank:
+    block ``q`` is ``[:, offsets[q]:offsets[q] + sizes[q], :]``, rank-major ``counts[q]``
+    elements at ``displs[q]``."""
 
     __slots__ = ("lead", "n", "post", "sizes", "offsets", "counts", "displs", "even",
                  "by_axis", "scratch_shape")
@@ -39,8 +35,7 @@ class Blocks:
         self.counts = tuple(self.lead * s * self.post for s in sizes)
         self.displs = (0, *itertools.accumulate(self.counts))[:-1]
         self.even = len(set(sizes)) == 1
-        # Even blocks as 4-D views, one transposed copy apart: the array (lead, rank, s,
-        # post) and the rank-major scratch (rank, lead, s, post).
+        # Even blocks: 4-D views (lead, rank, s, post) and (rank, lead, s, post), one copy apart.
         p, s = len(sizes), sizes[0]
         self.by_axis = (self.lead, p, s, self.post)
         self.scratch_shape = (p, self.lead, s, self.post) if self.even else (sum(self.counts),)
@@ -99,11 +94,9 @@ class Plan:
 
 
 def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
-    """Express the plan's counts in a contiguous derived datatype, for MPI-3 libraries.
-
-    ``numbers``: every count and displacement, in elements. The unit is their largest
-    common divisor that brings them within ``int_max`` (else ``ValueError``).
-    """
+    """Express the plan's counts (``numbers``: all of them and the displacements) for MPI-3
+    in units of a derived datatype that the plan frees: their largest common divisor that
+    brings them within ``int_max`` (else ``ValueError``)."""
     g, largest = math.gcd(*numbers), max(numbers)
     divisors = {d for k in range(1, math.isqrt(g) + 1) if g % k == 0 for d in (k, g // k)}
     unit = max((d for d in divisors if d <= int_max and largest // d <= int_max), default=0)

@@ -1,9 +1,7 @@
 """The path every collective call takes: validate, plan, check, pack, call MPI, unpack (private).
 
-:func:`run` is the common body of :mod:`pympar.collectives`: it looks up (or builds) the
-call's plan, refuses an ``out=`` that does not fit or overlaps the input (CuPy arrays
-compared by their device pointer ranges), makes the call's one agreement check, and hands
-over to :func:`move`. A rank refusing its own arguments makes the others raise too.
+:func:`run` is the body of every function of :mod:`pympar.collectives`; a rank refusing its
+own arguments (or an ``out=`` that does not fit or overlaps the input) makes the others raise.
 """
 
 from __future__ import annotations
@@ -45,12 +43,9 @@ def index(value: Any, what: str, name: str) -> int:
 
 
 def _overlaps(out: Any, x: Any) -> bool:
-    """Whether ``out`` shares memory with ``x`` without being it. Two arrays that each own
-    their memory cannot overlap: the common case skips the comparison."""
-    if out is x or (out.base is None and x.base is None):
-        return False
-    # CuPy's may_share_memory compares the device ranges without handing a pointer out.
-    return bool(backend.array_module(x).may_share_memory(out, x))
+    """Whether ``out`` shares memory with ``x`` without being it (CuPy's may_share_memory
+    compares the device ranges without handing a pointer out)."""
+    return out is not x and bool(backend.array_module(x).may_share_memory(out, x))
 
 
 def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
@@ -64,11 +59,11 @@ def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
 
 
 def destination(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
-    """The C-contiguous array MPI (or the unpacking) writes for ``out``: ``out`` itself, or
-    scratch for a non-contiguous one; raises for an ``out`` that does not
-    fit or that overlaps ``x`` (``out`` may be ``x`` itself where the operation allows)."""
+    """What MPI (or the unpacking) writes for ``out``: ``out``, or scratch when it is not
+    C-contiguous; raises for an ``out`` that does not fit or overlaps ``x`` (but is not it)."""
     if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        if out is not x and (out.base is not None or x.base is not None) and _overlaps(out, x):
+        # Two arrays that each own their memory cannot overlap: the common case skips it.
+        if (out.base is not None or x.base is not None) and _overlaps(out, x):
             raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
                              f"pass a separate array")
         return out if out.flags.c_contiguous else \

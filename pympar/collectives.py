@@ -53,8 +53,8 @@ _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
 
 
 def large_counts_supported(mpi_version: tuple[int, int] | None = None) -> bool:
-    """Return whether counts above :data:`INT_MAX` reach MPI as they are (MPI-4 ``_c``
-    routines) for the standard ``mpi_version`` (``MPI.Get_version()`` by default)."""
+    """Return whether counts above :data:`INT_MAX` reach MPI as they are (MPI-4) for the
+    standard ``mpi_version`` (``MPI.Get_version()`` by default)."""
     return tuple(MPI.Get_version() if mpi_version is None else mpi_version) >= (4, 0)
 
 
@@ -126,11 +126,10 @@ def _sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str) -> tup
 
 def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str | None,
                  what: str, axes: tuple) -> tuple[Any, tuple[int, ...], bool]:
-    """``x``, every rank's extent along the gathered axis (the last of ``axes``, the call's
-    axes), and whether the check was made: given ``sizes`` are checked, else the extents
-    (and ``out``'s, see :func:`pympar._transfer.claim`) are learned after the check of the
-    call with this axis's extent masked, under ``label`` as the ordinary check compares it.
-    """
+    """``x``, every rank's extent along the gathered axis (the last of the call's ``axes``)
+    and whether the check was made: given ``sizes`` are checked, else the extents (and
+    ``out``'s: :func:`pympar._transfer.claim`) are learned after the check of the call with
+    that extent masked."""
     try:
         x = as_array(x, label or what)
         axes = (_axis(axes[0], x, what),) if len(axes) == 1 else _axes(x, *axes)
@@ -153,9 +152,6 @@ def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str |
     shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes unknown)"
     sig = signature((what, _movable(x, what), masked, *axes), name)
     return x, _agreement.extents(group, sig, shown, name, x.shape[ax], claim), True
-
-
-# --------------------------------------------------------------------------- plans
 
 
 def _plan_all_reduce(group: Communicator, x: Any, op: Any) -> Plan:
@@ -230,9 +226,6 @@ def _plan_all_to_all(group: Communicator, x: Any, split_axis: Any, concat_axis: 
     return _big_counts(group, plan, sb.counts + sb.displs + rb.counts + rb.displs)
 
 
-# --------------------------------------------------------------------------- operations
-
-
 def all_reduce(group: Communicator, x: Any, op: str = "sum", out: Any = None,
                label: str | None = None) -> Any:
     """Reduce ``x`` element-wise over the group; every rank gets the result.
@@ -264,8 +257,7 @@ def broadcast(group: Communicator, x: Any, root: int = 0, out: Any = None,
     Parameters
     ----------
     x : numpy.ndarray or cupy.ndarray
-        On the root, the data; on the other ranks an array of the same shape and
-        dtype whose values are ignored.
+        The data on the root; elsewhere its values are ignored (same shape and dtype).
     root : int, default 0
         The sending rank, as a rank in this group (not a global rank).
     out : array, optional
@@ -289,9 +281,8 @@ def all_gather(group: Communicator, x: Any, axis: int = 0, out: Any = None,
     out : array, optional
         Where to write the result; must not overlap ``x``.
     sizes : sequence of int, optional
-        Every rank's extent along ``axis``, indexed by rank in this group, when the
-        caller knows them (e.g. ``balanced_sizes(n, group.size)``). Without it the
-        ranks learn each other's extents in one small exchange.
+        Every rank's extent along ``axis`` in group-rank order (e.g. ``balanced_sizes(n,
+        group.size)``); without it the ranks learn them in one small exchange.
     """
     checked = False
     if type(sizes) is not tuple:
@@ -303,8 +294,8 @@ def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
                    op: str = "sum", label: str | None = None) -> Any:
     """Reduce ``x`` over the group and give each rank its block along ``axis``.
 
-    ``axis`` is split with the balanced rule of ``numpy.array_split``: the rank of
-    group rank ``r`` receives block ``r`` of the element-wise reduction.
+    Group rank ``r`` receives block ``r`` (balanced rule of ``numpy.array_split``) of the
+    element-wise reduction.
 
     Parameters
     ----------
@@ -338,10 +329,8 @@ def all_to_all(group: Communicator, x: Any, split_axis: int, concat_axis: int,
                label: str | None = None) -> Any:
     """Split ``x`` along ``split_axis``, send block ``q`` to rank ``q``, concatenate the rest.
 
-    Group rank ``r`` receives block ``r`` (balanced rule) of every rank's ``x`` and
-    concatenates them in rank order along ``concat_axis``: the result equals
-    ``numpy.concatenate([array_split(x_q, p, split_axis)[r] for q in range(p)],
-    concat_axis)``.
+    The result equals ``numpy.concatenate([array_split(x_q, p, split_axis)[r] for q in
+    range(p)], concat_axis)`` on group rank ``r``.
 
     Parameters
     ----------

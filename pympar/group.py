@@ -37,11 +37,9 @@ class Group:
 
     Attributes
     ----------
-    comm : mpi4py.MPI.Intracomm
-    name : str
-    ranks : tuple of int
     rank : int
-        This process's position in the group (its local rank).
+        This process's position in the group (its local rank); ``comm``, ``name`` and
+        ``ranks`` (a tuple) are the parameters.
     size : int
         Number of members.
     """

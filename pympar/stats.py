@@ -27,9 +27,8 @@ def is_recording() -> bool:
 
 
 def add(group: str, operation: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
-    """Account one call to every active recorder: its group's name (``"tp-0-1"``), the
-    operation (``"all_reduce"``), the bytes of its input and result on this rank, and its
-    wall-clock seconds."""
+    """Account one call to every active recorder: group name (``"tp-0-1"``), operation
+    (``"all_reduce"``), bytes of its input and result on this rank, and wall-clock seconds."""
     for recorder in _active:
         recorder.add(group, operation, bytes_in, bytes_out, seconds)
 
