@@ -70,10 +70,9 @@ class CommState:
 
     def release(self) -> None:
         """Drop the plans (freeing their derived datatypes) and the scratch buffers."""
-        for plan in self.plans.values():
+        plans, self.plans, self.buffers = self.plans, {}, {}
+        for plan in plans.values():
             plan.free()
-        self.plans.clear()
-        self.buffers.clear()
 
     def free(self) -> None:
         """:meth:`release`, and unmap the board."""
