@@ -64,8 +64,12 @@ def within(name: str | None) -> str | None:
 
 
 def check(group: Any, sig: int, shown: str, name: str | None) -> None:
-    """The agreement check: raise on every rank of ``group`` unless every rank passes ``sig``."""
-    if not group._state.board.agree(sig, group, shown, debug._timeout):
+    """The agreement check: raise on every rank of ``group`` unless every rank passes ``sig``
+    (``RuntimeError`` for a freed group)."""
+    board = group._state.board
+    if board is None:
+        raise freed_error(shown, group)
+    if not board.agree(sig, group, shown, debug._timeout):
         debug.report(group, f"{shown} in {name}" if name else shown)
 
 
@@ -74,7 +78,7 @@ def refuse(group: Any, what: str, error: Exception) -> None:
     others' check with a signature no call has: every rank raises
     :class:`~pympar.errors.CollectiveMismatchError` naming it, unless every rank refused."""
     state = getattr(group, "_state", None)
-    if state is not None and state.board is not None and group.comm != MPI.COMM_NULL:
+    if state is not None and state.board is not None:  # None: one rank, or freed
         check(group, REFUSED, f"{what}, refused by this rank: {error}", within(None))
 
 
@@ -87,12 +91,9 @@ def agree(group: Any, key: tuple, shown: str) -> None:
     is the call in words. Every rank raises :class:`~pympar.errors.CollectiveMismatchError`
     when the keys differ (``RuntimeError`` for a freed group).
     """
-    if group.size == 1:
-        return
-    if group.comm == MPI.COMM_NULL:
-        raise freed_error(shown, group)
-    name = within(None)
-    check(group, signature(key, name), shown, name)
+    if group.size > 1:
+        name = within(None)
+        check(group, signature(key, name), shown, name)
 
 
 def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,

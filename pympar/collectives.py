@@ -146,8 +146,6 @@ def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str |
         raise
     if group.size == 1:
         return x, (x.shape[ax],), True
-    if group.comm == MPI.COMM_NULL:
-        raise freed_error(what, group)
     name = _agreement.within(label)
     shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes unknown)"
     sig = signature((what, _movable(x, what), masked, *axes), name)
