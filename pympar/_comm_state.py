@@ -72,7 +72,8 @@ class CommState:
         """Drop the plans (freeing their derived datatypes) and the scratch buffers."""
         plans, self.plans, self.buffers = self.plans, {}, {}
         for plan in plans.values():
-            plan.free()
+            if plan.derived is not None:
+                plan.derived.Free()
 
     def free(self) -> None:
         """:meth:`release`, and unmap the board."""

@@ -86,16 +86,10 @@ class Plan:
         self.send = self.recv = self.chunk = self.derived = None
         self.signatures: dict[str | None, int] = {}
 
-    def free(self) -> None:
-        """Free the derived datatype of :func:`in_units`, if any."""
-        if self.derived is not None:
-            self.derived.Free()
-            self.derived = None
-
 
 def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
     """Express the plan's counts (``numbers``: all of them and the displacements) for MPI-3
-    in units of a derived datatype that the plan frees: their largest common divisor that
+    in units of a derived datatype (``plan.derived``): their largest common divisor that
     brings them within ``int_max`` (else ``ValueError``)."""
     g, largest = math.gcd(*numbers), max(numbers)
     divisors = {d for k in range(1, math.isqrt(g) + 1) if g % k == 0 for d in (k, g // k)}

@@ -42,12 +42,6 @@ def index(value: Any, what: str, name: str) -> int:
         raise TypeError(f"{what}: {name} must be an int, not {type(value).__name__}") from None
 
 
-def _overlaps(out: Any, x: Any) -> bool:
-    """Whether ``out`` shares memory with ``x`` without being it (CuPy's may_share_memory
-    compares the device ranges without handing a pointer out)."""
-    return out is not x and bool(backend.array_module(x).may_share_memory(out, x))
-
-
 def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
            dtype: np.dtype | None = None) -> Exception:
     """The error of an ``out`` that is not an array of ``x``'s kind, dtype and ``shape``."""
@@ -62,8 +56,10 @@ def destination(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
     """What MPI (or the unpacking) writes for ``out``: ``out``, or scratch when it is not
     C-contiguous; raises for an ``out`` that does not fit or overlaps ``x`` (but is not it)."""
     if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        # Two arrays that each own their memory cannot overlap: the common case skips it.
-        if (out.base is not None or x.base is not None) and _overlaps(out, x):
+        # Two arrays that each own their memory cannot overlap: the common case skips it
+        # (CuPy's may_share_memory compares device ranges without handing a pointer out).
+        if (out.base is not None or x.base is not None) and out is not x and \
+                backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
                              f"pass a separate array")
         return out if out.flags.c_contiguous else \
@@ -80,7 +76,7 @@ def claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> in
     native = x.dtype.newbyteorder("=")  # the result's dtype, and so out's
     if (type(out) is type(x) and out.dtype == native and out.ndim == len(shape)
             and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
-        if _overlaps(out, x):
+        if out is not x and backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
         return out.shape[axis] + 1
     raise _unfit(x, out, shape, shown, native)

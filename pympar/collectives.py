@@ -1,10 +1,10 @@
 """Array collectives of :class:`~pympar.group.Group`, for NumPy and CuPy arrays.
 
-``Group.all_reduce`` and its siblings are these functions (the group comes first; a last
-``label=`` names the caller in statistics and errors, as mappings do). Each returns
-``out``, or a new C-contiguous array of ``x``'s module and dtype, after one path
-(:func:`pympar._transfer.run`): validate, plan (cached per call kind), check that every
-rank makes the same call, pack, call MPI, unpack.
+``Group.all_reduce`` and its siblings are these functions (the group first; a last
+``label=`` names the caller in statistics and errors). Each returns ``out``, or a new
+C-contiguous array of ``x``'s module and dtype, after one path (``pympar._transfer.run``):
+validate, plan (cached per call kind), check that every rank makes the same call, pack,
+call MPI, unpack.
 
 Notes
 -----
@@ -13,10 +13,9 @@ Notes
   :class:`~pympar.errors.CollectiveMismatchError`, also when one rank refuses its own
   arguments (:func:`refuse`). On one node the check is a write and a read of shared
   memory; across nodes one 8-byte ``Iallgather``.
-* Layout: MPI sees C-contiguous buffers only; a non-leading axis is packed into rank-major
-  blocks of a cached scratch buffer, so results follow ``numpy.concatenate`` and
-  ``numpy.array_split`` (uneven extents: :mod:`pympar.partition`). A gather given no
-  ``sizes=`` learns every rank's extent in one small exchange after its check.
+* Layout: a non-leading axis is packed into rank-major blocks of a cached scratch buffer;
+  results follow ``numpy.concatenate`` and ``numpy.array_split`` (:mod:`pympar.partition`).
+  A gather given no ``sizes=`` learns every rank's extent in one small exchange.
 * Counts above 2**31 - 1 go to MPI-4 as they are; for MPI-3 the data moves in units of a
   contiguous derived datatype (gathers, all-to-all) or in chunks (all-reduce, broadcast),
   and a reduce-scatter is an all-reduce that keeps this rank's block.
@@ -119,9 +118,9 @@ def _sizes(group: Communicator, x: Any, axis: int, sizes: Any, what: str) -> tup
     if len(sizes) == group.size and sizes[group.rank] == x.shape[axis]:
         return sizes
     raise ValueError(f"{what}(shape={x.shape}, axis={axis}, sizes={sizes}) on group "
-                     f"{group.name!r}: sizes (every rank's extent along the axis, in "
-                     f"group-rank order) do not fit {group.size} ranks with this rank "
-                     f"({group.rank}) holding {x.shape[axis]}")
+                     f"{group.name!r}: sizes (every rank's extent along the axis, in group-"
+                     f"rank order) do not fit {group.size} ranks with this rank ({group.rank}) "
+                     f"holding {x.shape[axis]}")
 
 
 def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str | None,
