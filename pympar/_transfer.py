@@ -113,7 +113,8 @@ def run(group: Communicator, x: Any, out: Any, name: str | None, what: str,
         return move(group, plan, x, dest, out)
     start = time.perf_counter()
     y = move(group, plan, x, dest, out)
-    # A layer's collectives keep their kind ("Linear3D.forward:all_gather"), a mapping's not.
+    # A layer's collectives keep their kind ("Linear3D.forward:all_gather"); a mapping's
+    # own label names its call.
     kind = own or (f"{name}:{what}" if name else what)
     stats.add(group.name, kind, x.nbytes, y.nbytes, time.perf_counter() - start)
     return y
