@@ -56,8 +56,7 @@ def destination(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
     """What MPI (or the unpacking) writes for ``out``: ``out``, or scratch when it is not
     C-contiguous; raises for an ``out`` that does not fit or overlaps ``x`` (but is not it)."""
     if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        # Two arrays that each own their memory cannot overlap: the common case skips it
-        # (CuPy's may_share_memory compares device ranges without handing a pointer out).
+        # Arrays owning their memory cannot overlap; CuPy's test compares device ranges.
         if (out.base is not None or x.base is not None) and out is not x and \
                 backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{plan.shown}: out overlaps the input without being it; "

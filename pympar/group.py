@@ -46,11 +46,9 @@ class Group:
 
     def __init__(self, comm: MPI.Intracomm, name: str, ranks: Sequence[int],
                  owns_comm: bool = True) -> None:
-        self.comm = comm
-        self.name = name
+        self.comm, self.name = comm, name
         self.ranks = tuple(int(r) for r in ranks)
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         if self.size != len(self.ranks):
             raise ValueError(f"group {name}: communicator has {self.size} ranks "
                              f"but {len(self.ranks)} global ranks were given")

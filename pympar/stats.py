@@ -98,8 +98,7 @@ class Recorder:
         return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
 
     def __repr__(self) -> str:
-        t = self.totals()
-        return f"Recorder({len(self.rows)} rows, {t['calls']} calls)"
+        return f"Recorder({len(self.rows)} rows, {self.totals()['calls']} calls)"
 
 
 def record() -> Recorder:
