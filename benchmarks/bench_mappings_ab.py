@@ -67,7 +67,8 @@ def run_tree(tree: Path, argv: list[str], target: Path, mpiexec: str, open_mpi: 
 
 
 def combine(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per (operation, size): the median over rounds of each field, for each tree."""
+    """Per (operation, size): the median over rounds of each field, for each tree, and its
+    spread (largest minus smallest round) as ``<side>_<field>_spread``."""
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     for side, docs in runs.items():
         for doc in docs:
@@ -84,6 +85,7 @@ def combine(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             for name in FIELDS:
                 values = cell.get(side, {}).get(name)
                 row[f"{side}_{name}"] = statistics.median(values) if values else None
+                row[f"{side}_{name}_spread"] = max(values) - min(values) if values else None
         rows.append(row)
     return rows
 

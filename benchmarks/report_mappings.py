@@ -167,12 +167,15 @@ def section_mappings_ab(data: dict[str, Any]) -> list[str]:
     for nbytes in sorted({r["bytes"] for r in rows}):
         at = [r for r in rows if r["bytes"] == nbytes and r.get("communicates", True)]
         for name, what in (("extra_us", "pympar - raw"), ("check_us", "the check's cost")):
-            diffs = [r[f"after_{name}"] - r[f"before_{name}"] for r in at
-                     if r[f"before_{name}"] is not None]
+            paired = [r for r in at if r[f"before_{name}"] is not None]
+            diffs = [r[f"after_{name}"] - r[f"before_{name}"] for r in paired]
+            spreads = [r[f"after_{name}_spread"] for r in paired
+                       if r.get(f"after_{name}_spread") is not None]
             if diffs:
-                worse = sum(d > 0 for d in diffs)
+                noise = (f"; a row's spread over rounds: median "
+                         f"{statistics.median(spreads):.2f} us" if spreads else "")
                 lines.append(f"- target {what} no worse than before at {show_size(nbytes)}: "
                              f"median change {statistics.median(diffs):+.2f} us over "
-                             f"{len(diffs)} rows ({worse} higher), "
+                             f"{len(diffs)} rows ({sum(d > 0 for d in diffs)} higher{noise}), "
                              f"{verdict(statistics.median(diffs) <= 0)}")
     return lines + [""]

@@ -148,8 +148,9 @@ def test_mappings_ab_combines_rounds_and_judges_both_targets():
         {"ranks": 2, "dtype": "float32", "base": "a7a8f63", "rounds": 3, "repeats": 5,
          "seconds": 1.0, "rows": rows}))
     assert "| reduce_from_all | 1 KiB | 3.00 / 2.00 | 3.00 / 1.00 | 0.30 / 0.30 |" in text
+    assert row["after_extra_us_spread"] == 4.0
     assert "pympar - raw no worse than before at 1 KiB: median change -1.00 us over 1 rows" \
-        " (0 higher), met" in text
+        " (0 higher; a row's spread over rounds: median 4.00 us), met" in text
     assert "the check's cost no worse than before at 1 KiB: median change -2.00 us" in text
 
 
