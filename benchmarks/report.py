@@ -318,6 +318,8 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
     lines += _section_machine(folder)
     if mappings:
         lines += report_mappings.section_mappings(mappings)
+    if mappings_ab := _load(folder, "mappings_ab.json"):
+        lines += report_mappings.section_mappings_ab(mappings_ab)
     if torch_comm:
         lines += _section_torch(torch_comm)
     if mlp:

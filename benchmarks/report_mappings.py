@@ -136,3 +136,46 @@ def section_mappings(data: dict[str, Any]) -> list[str]:
         lines += table(["operation"] + [f"{show_size(s)}: check / floor" for s in check_sizes],
                        body) + [""]
     return lines + _targets(rows) + [""]
+
+
+def section_mappings_ab(data: dict[str, Any]) -> list[str]:
+    """Markdown lines of ``benchmarks/bench_mappings_ab.py --json``: before and after.
+
+    Parameters
+    ----------
+    data : dict
+        The document ``bench_mappings_ab.py`` writes (rows with ``before_*``/``after_*``).
+    """
+    rows = [r for r in data["rows"] if r.get("after_check_us") is not None]
+    lines = ["## Mappings before and after (A/B in one window)", "",
+             f"{data.get('ranks')} ranks, {data.get('dtype')}; *before* is commit "
+             f"`{data.get('base')}`, *after* this tree, each running its own "
+             f"`bench_mappings.py` in its own job, alternating over {data.get('rounds')} rounds "
+             f"(medians over rounds of medians of {data.get('repeats')}; "
+             f"{data.get('seconds')} s). *extra* = pympar - raw, *check* = the agreement "
+             "check's cost, *floor* = the bare handshake; microseconds.", ""]
+    sides = ("before", "after")
+
+    def cell(row: dict[str, Any], name: str) -> str:
+        return " / ".join("n/a" if row[f"{s}_{name}"] is None else f"{row[f'{s}_{name}']:.2f}"
+                          for s in sides)
+    body = [[r["op"], show_size(r["bytes"])] + [cell(r, n) for n in ("extra_us", "check_us",
+                                                                        "floor_us")]
+            for r in rows]
+    lines += table(["operation", "size", "extra before / after", "check before / after",
+                    "floor before / after"], body) + [""]
+    for nbytes in sorted({r["bytes"] for r in rows}):
+        at = [r for r in rows if r["bytes"] == nbytes and r.get("communicates", True)]
+        for name, what in (("extra_us", "pympar - raw"), ("check_us", "the check's cost")):
+            paired = [r for r in at if r[f"before_{name}"] is not None]
+            diffs = [r[f"after_{name}"] - r[f"before_{name}"] for r in paired]
+            spreads = [r[f"after_{name}_spread"] for r in paired
+                       if r.get(f"after_{name}_spread") is not None]
+            if diffs:
+                noise = (f"; a row's spread over rounds: median "
+                         f"{statistics.median(spreads):.2f} us" if spreads else "")
+                lines.append(f"- target {what} no worse than before at {show_size(nbytes)}: "
+                             f"median change {statistics.median(diffs):+.2f} us over "
+                             f"{len(diffs)} rows ({sum(d > 0 for d in diffs)} higher{noise}), "
+                             f"{verdict(statistics.median(diffs) <= 0)}")
+    return lines + [""]

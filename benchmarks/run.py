@@ -15,6 +15,8 @@ attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memo
 checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
 fft_1/2/4.json      1/2/4  bench_fft.py: FFT round trip vs mpi4py-fft, bytes, FNO layer
 halo.json           2      bench_halo.py: HaloExchange vs raw mpi4py Sendrecv of the same faces
+mappings_ab.json    2      bench_mappings_ab.py: mappings of an earlier commit vs this tree
+                           (only with ``--only mappings_ab``; it starts its own jobs)
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -53,6 +55,8 @@ class Job:
     output: str
     args: list[str] = field(default_factory=list)
     timeout: float = 1800.0
+    #: Run without a launcher: the script starts its own ``mpiexec`` jobs.
+    launches: bool = False
 
 
 def plan(quick: bool) -> list[Job]:
@@ -64,9 +68,11 @@ def plan(quick: bool) -> list[Job]:
         Few sizes, few repeats and small shapes (well under two minutes on two
         cores), or the full run documented in ``benchmarks/README.md``.
     """
+    ab = Job("mappings_ab", "bench_mappings_ab.py", 2, "mappings_ab.json",
+             ["--rounds", "2", "--repeats", "3", "--warmup", "1"] if quick else [], 600, True)
     if quick:
         sizes = "1KiB,64KiB,1MiB"
-        return [
+        return [ab, 
             Job("mappings", "bench_mappings.py", 2, "mappings.json",
                 ["--sizes", sizes, "--repeats", "5", "--warmup", "2"], 300),
             Job("torch_comm", "bench_torch_comm.py", 2, "torch_comm.json",
@@ -89,6 +95,7 @@ def plan(quick: bool) -> list[Job]:
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
     shapes = "8192x1024x4096,2048x256x1024,13x9x35"
     return [
+        ab,
         Job("mappings", "bench_mappings.py", 2, "mappings.json",
             ["--sizes", sizes, "--repeats", "25", "--warmup", "3"]),
         Job("torch_comm", "bench_torch_comm.py", 2, "torch_comm.json",
@@ -222,6 +229,10 @@ def run_job(job: Job, out: Path, mpiexec: str, open_mpi: bool, log: Any = sys.st
     argv = [sys.executable, "-m", "mpi4py", str(HERE / job.script), *job.args,
             "--json", str(target)]
     cmd, env = launch_command(mpiexec, job.ranks, argv, open_mpi)
+    if job.launches:
+        cmd = [sys.executable, str(HERE / job.script), "--ranks", str(job.ranks), *job.args,
+               "--json", str(target)]
+        argv = cmd
     shown = " ".join(Path(c).name if i in (0, len(cmd) - len(argv)) else c
                      for i, c in enumerate(cmd))
     print(f"== {job.name}: {job.ranks} ranks: {shown}", file=log, flush=True)
@@ -280,7 +291,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for JSON, plots and results.md (default: ./bench-results)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
-                             "comm_volume_27, memory, attention, checkpoint, halo); repeatable")
+                             "comm_volume_27, memory, attention, checkpoint, halo, and "
+                             "mappings_ab, which runs only when named); repeatable")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME",
                         help="skip this job; repeatable")
     parser.add_argument("--mpiexec", default=None, help="launcher (default: as scripts/mpirun.sh)")
@@ -302,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
         if name not in known:
             print(f"pympar bench: unknown job {name!r}; choose from {sorted(known)}", file=sys.stderr)
             return 2
-    jobs = [j for j in jobs if (not args.only or j.name in args.only) and j.name not in args.skip]
+    jobs = [j for j in jobs if (j.name in args.only if args.only or j.launches else True)
+            and j.name not in args.skip]
     runs: list[dict] = []
     if not args.report_only:
         try:

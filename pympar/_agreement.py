@@ -1,18 +1,14 @@
 """The agreement check, one per collective call, and the label it compares (private).
 
-Before its data call every collective of more than one rank writes its signature (the
-call's key and :func:`label` hashed) to the group's board (:mod:`pympar._board`) and
-reads every rank's; when they differ every rank raises the same
-:class:`~pympar.errors.CollectiveMismatchError` (:func:`pympar.debug.report`). A rank
-refusing its own arguments joins with :data:`~pympar._board.REFUSED` (:func:`refuse`). A
-gather of unknown extents learns them after its check in one small exchange
-(:func:`extents`). :func:`label` and :func:`agree` are public in :mod:`pympar.collectives`.
+Every collective of more than one rank writes its signature (its key and :func:`label`
+hashed) to the group's board (:mod:`pympar._board`) and reads every rank's; when they
+differ every rank raises (:func:`pympar.debug.report`). A rank refusing its arguments
+joins with :data:`~pympar._board.REFUSED` (:func:`refuse`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import zlib
 from typing import Any
 
 import numpy as np
@@ -20,6 +16,8 @@ from mpi4py import MPI
 
 from . import debug
 from ._board import REFUSED
+from ._comm_state import freed_error
+from ._plans import signature
 from .errors import CollectiveMismatchError, wait
 
 # The label of the code running collectives (see label()), and those it is nested in.
@@ -65,60 +63,45 @@ def within(name: str | None) -> str | None:
     return f"{_label}/{name}" if name else _label
 
 
-def describe(shown: str, name: str | None) -> str:
-    """A call in words for error messages: ``shown`` plus the label it ran under."""
-    return f"{shown} in {name}" if name else shown
-
-
 def check(group: Any, sig: int, shown: str, name: str | None, hint: str = "") -> None:
     """The agreement check: raise on every rank of ``group`` unless every rank passes ``sig``
-    (``hint``: what must hold, see :func:`pympar.debug.report`)."""
-    if not group._state.board.agree(sig, group, shown, debug._timeout):
-        debug.report(group, describe(shown, name), hint)
+    (``hint``: what must hold, see :func:`pympar.debug.report`; ``RuntimeError`` for a
+    freed group)."""
+    board = group._state.board
+    if board is None:
+        raise freed_error(shown, group)
+    if not board.agree(sig, group, shown, debug._timeout):
+        debug.report(group, f"{shown} in {name}" if name else shown, hint)
 
 
 def refuse(group: Any, what: str, error: Exception) -> None:
-    """Before this rank raises ``error`` about its own arguments, make the others raise too.
-
-    Where the others are about to make a collective, this rank joins their check with a
-    signature no call has: every rank raises :class:`~pympar.errors.CollectiveMismatchError`
-    naming ``error`` (``what`` the call refused). It returns when every rank refused.
-    """
+    """Before this rank raises ``error`` about its own arguments (to ``what``), join the
+    others' check with a signature no call has: every rank raises
+    :class:`~pympar.errors.CollectiveMismatchError` naming it, unless every rank refused."""
     state = getattr(group, "_state", None)
-    if state is None or state.board is None or group.comm == MPI.COMM_NULL:
-        return
-    shown = f"{what}, refused by this rank: {error}"
-    if not state.board.agree(REFUSED, group, shown, debug._timeout):
-        debug.report(group, describe(shown, within(None)))
+    if state is not None and state.board is not None:  # None: one rank, or freed
+        check(group, REFUSED, f"{what}, refused by this rank: {error}", within(None))
 
 
 def agree(group: Any, key: tuple, shown: str) -> None:
     """Check that every rank of ``group`` reaches this point with an equal ``key``.
 
-    One agreement check of the collectives' own kind, for communication they do not
-    cover (a ring of point-to-point messages) or cover too coarsely (one flat buffer whose
-    parts every rank must order alike); the enclosing :func:`label` is compared too.
-    ``key`` is hashed through its ``repr``; ``shown`` is this rank's call in words. Every
-    rank raises :class:`~pympar.errors.CollectiveMismatchError` when the keys differ
-    (``RuntimeError`` for a freed group); a group of one rank does nothing.
+    The collectives' own check (the enclosing :func:`label` compared too), for what they
+    do not cover (a ring of point-to-point messages) or too coarsely (a flat buffer whose
+    parts every rank must order alike). ``key`` is hashed through its ``repr``; ``shown``
+    is the call in words. Every rank raises :class:`~pympar.errors.CollectiveMismatchError`
+    when the keys differ (``RuntimeError`` for a freed group).
     """
-    if group.size == 1:
-        return
-    if group.comm == MPI.COMM_NULL:
-        raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
-                           f"manager.destroy_parallel); use the groups of the current state")
-    name = within(None)
-    check(group, zlib.crc32(repr((key, name)).encode()) | 1, shown, name)
+    if group.size > 1:
+        name = within(None)
+        check(group, signature(key, name), shown, name)
 
 
 def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,
             claim: int = 0, hint: str = "") -> tuple[int, ...]:
-    """Every rank's ``extent``, learned after the check of ``sig`` in one small exchange.
-
-    ``claim`` is this rank's ``out`` extent along the gathered axis plus one (0: no
-    ``out``): an ``out`` that does not fit the total on any rank makes every rank raise.
-    ``shown`` and ``hint`` go to the check's report (``shown`` may hold its subject mark).
-    """
+    """Every rank's ``extent``, learned after the check of ``sig`` in one small exchange;
+    every rank raises when an ``out`` does not fit the total on any rank (``claim``: its
+    extent along the gathered axis plus one, 0 without one; ``hint`` goes to the report)."""
     check(group, sig, shown, name, hint)
     shown = shown.replace(debug._DETAIL, " with ")
     mine = np.array([extent, claim], np.int64)

@@ -1,6 +1,5 @@
-"""Per-communicator state of the collectives (plans, scratch buffers, the agreement board)
-and the protocol they see a group through, so that they need not import :mod:`pympar.group`.
-"""
+"""Per-communicator state of the collectives (plans, scratch, the agreement board) and the
+protocol they see a group through, so that they need not import :mod:`pympar.group`."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from mpi4py import MPI
 
 from . import _board, backend
 from ._plans import Plan
-
-__all__ = ["Communicator", "CommState", "MAX_PLANS", "MAX_BUFFERS", "MAX_BUFFER_BYTES"]
 
 MAX_PLANS = 512
 MAX_BUFFERS = 16
@@ -31,6 +28,12 @@ class Communicator(Protocol):
     _state: CommState
 
 
+def freed_error(what: str, group: Communicator) -> RuntimeError:
+    """The error of ``what`` called on ``group`` after :meth:`pympar.group.Group.free`."""
+    return RuntimeError(f"{what}: group {group.name!r} has been freed (Group.free or "
+                        f"manager.destroy_parallel); use the groups of the current state")
+
+
 class CommState:
     """The collectives' plans, scratch buffers and agreement board for the communicator
     ``comm`` (creating it is collective over ``comm``: :func:`pympar._board.create`)."""
@@ -43,16 +46,15 @@ class CommState:
         self.board = _board.create(comm)
 
     def remember(self, key: tuple, plan: Plan) -> Plan:
-        """Cache ``plan`` under ``key`` (the cache is emptied when full)."""
+        """Cache ``plan`` under ``key`` (everything is released when the cache is full)."""
         if len(self.plans) >= MAX_PLANS:
-            self.clear_plans()
+            self.release()
         self.plans[key] = plan
         return plan
 
     def scratch(self, slot: str, shape: tuple[int, ...], dtype: np.dtype, like: Any) -> Any:
-        """The C-contiguous scratch array for ``slot`` (contents undefined), of ``like``'s
-        array module; at most :data:`MAX_BUFFERS` arrays and :data:`MAX_BUFFER_BYTES`
-        bytes are kept, the oldest evicted first."""
+        """The C-contiguous scratch array of ``slot`` (contents undefined) in ``like``'s array
+        module; the oldest go beyond :data:`MAX_BUFFERS` arrays or :data:`MAX_BUFFER_BYTES`."""
         numpy = type(like) is np.ndarray
         key = (slot, shape, dtype, numpy)
         buffers = self.buffers
@@ -66,16 +68,12 @@ class CommState:
             buffer = buffers[key] = xp.empty(shape, dtype)
         return buffer
 
-    def clear_plans(self) -> None:
-        """Drop every plan, freeing the derived datatypes they own."""
-        for plan in self.plans.values():
-            plan.free()
-        self.plans.clear()
-
     def release(self) -> None:
-        """Drop the plans and the scratch buffers (rebuilt on the next call)."""
-        self.clear_plans()
-        self.buffers.clear()
+        """Drop the plans (freeing their derived datatypes) and the scratch buffers."""
+        plans, self.plans, self.buffers = self.plans, {}, {}
+        for plan in plans.values():
+            if plan.derived is not None:
+                plan.derived.Free()
 
     def free(self) -> None:
         """:meth:`release`, and unmap the board."""

@@ -1,10 +1,7 @@
 """Plans of the collectives: what a call needs that depends only on its metadata (private).
 
-A :class:`Plan` is computed once per call kind and cached on the group's
-:class:`~pympar._comm_state.CommState`. :class:`Blocks` cuts an axis into rank blocks;
-:func:`pack` and :func:`unpack` move a non-leading axis to and from rank-major order;
-:func:`in_units` re-expresses counts beyond an MPI-3 ``int`` in a derived datatype, which
-the plan owns and frees (:meth:`Plan.free`).
+A :class:`Plan` is built once per call kind and cached on the group's ``CommState``;
+:func:`pack` and :func:`unpack` move rank :class:`Blocks` to and from rank-major order.
 """
 
 from __future__ import annotations
@@ -18,12 +15,15 @@ import numpy as np
 from mpi4py import MPI
 
 
-class Blocks:
-    """An axis of a C-ordered shape cut into one block per rank.
+def signature(key: tuple, label: str | None) -> int:
+    """The agreement check's 32-bit signature (odd) of the call ``key`` under ``label``."""
+    return zlib.crc32(repr((key, label)).encode()) | 1
 
-    Seen as ``(lead, n, post)``, block ``q`` covers ``[:, offsets[q]:offsets[q] + sizes[q],
-    :]``; rank-major, it is ``counts[q]`` elements at ``displs[q]``.
-    """
+
+class Blocks:
+    """An axis of a C-ordered shape, seen as ``(lead, n, post)``, cut into one block per rank:
+    block ``q`` is ``[:, offsets[q]:offsets[q] + sizes[q], :]``, rank-major ``counts[q]``
+    elements at ``displs[q]``."""
 
     __slots__ = ("lead", "n", "post", "sizes", "offsets", "counts", "displs", "even",
                  "by_axis", "scratch_shape")
@@ -35,8 +35,7 @@ class Blocks:
         self.counts = tuple(self.lead * s * self.post for s in sizes)
         self.displs = (0, *itertools.accumulate(self.counts))[:-1]
         self.even = len(set(sizes)) == 1
-        # Even blocks as 4-D views, one transposed copy apart: the array (lead, rank, s,
-        # post) and the rank-major scratch (rank, lead, s, post).
+        # Even blocks: 4-D views (lead, rank, s, post) and (rank, lead, s, post), one copy apart.
         p, s = len(sizes), sizes[0]
         self.by_axis = (self.lead, p, s, self.post)
         self.scratch_shape = (p, self.lead, s, self.post) if self.even else (sum(self.counts),)
@@ -65,51 +64,33 @@ def unpack(dest: Any, flat: Any, b: Blocks) -> None:
 class Plan:
     """What one collective call needs that depends only on metadata, computed once.
 
-    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (without the
-    send part for ``Bcast``; ``method`` is the blocking mpi4py name). ``send``/``recv``
-    are the rank blocks to pack/unpack when they do not lie rank-major in memory, else
-    None. ``work`` is the dtype on the wire (float32 for half-precision sums); ``chunk``
-    splits a single-buffer call whose count MPI-3 cannot express. ``key`` is what every
-    rank must pass alike and ``shown`` the call in words; :meth:`signature` hashes the key
-    with a label for the agreement check.
+    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (no send part
+    for ``Bcast``; the blocking mpi4py name). ``send``/``recv``: the rank blocks to pack or
+    unpack, else None; ``work``: the dtype on the wire (float32 for half-precision sums);
+    ``chunk``: the slices of a count MPI-3 cannot express; ``key``: what every rank passes
+    alike, and ``signatures`` its hashes per label; ``shown``: the call in words.
     """
 
-    __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "op", "method", "send_spec",
+    __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "method", "send_spec",
                  "recv_spec", "tail", "send", "recv", "chunk", "key", "shown", "signatures",
                  "derived")
 
     def __init__(self, out_shape: tuple[int, ...], work: np.dtype, swap: bool,
                  mpi_type: MPI.Datatype, op: MPI.Op | None, key: tuple, shown: str) -> None:
         self.out_shape, self.work, self.swap = out_shape, work, swap
-        self.mpi_type, self.op, self.key, self.shown = mpi_type, op, key, shown
+        self.mpi_type, self.key, self.shown = mpi_type, key, shown
         self.cast = False
         self.method: str | None = None
         self.send_spec = self.recv_spec = (mpi_type,)
-        self.tail: tuple = ()
+        self.tail: tuple = () if op is None else (op,)
         self.send = self.recv = self.chunk = self.derived = None
         self.signatures: dict[str | None, int] = {}
 
-    def signature(self, label: str | None) -> int:
-        """The agreement check's 32-bit signature of this call under ``label`` (odd)."""
-        sig = self.signatures.get(label)
-        if sig is None:
-            sig = self.signatures[label] = zlib.crc32(repr((self.key, label)).encode()) | 1
-        return sig
-
-    def free(self) -> None:
-        """Free the derived datatype of :func:`in_units`, if any."""
-        if self.derived is not None:
-            self.derived.Free()
-            self.derived = None
-
 
 def in_units(plan: Plan, numbers: tuple[int, ...], int_max: int) -> None:
-    """Express the plan's counts in a contiguous derived datatype, for MPI-3 libraries.
-
-    ``numbers`` are every count and displacement of the call, in elements. The unit is
-    the largest divisor of all of them that brings them within ``int_max``; ``ValueError``
-    when there is none (uneven blocks of unrelated sizes).
-    """
+    """Express the plan's counts (``numbers``: all of them and the displacements) for MPI-3
+    in units of a derived datatype (``plan.derived``): their largest common divisor that
+    brings them within ``int_max`` (else ``ValueError``)."""
     g, largest = math.gcd(*numbers), max(numbers)
     divisors = {d for k in range(1, math.isqrt(g) + 1) if g % k == 0 for d in (k, g // k)}
     unit = max((d for d in divisors if d <= int_max and largest // d <= int_max), default=0)

@@ -1,14 +1,14 @@
-"""The path every collective call takes once planned: check, pack, call MPI, unpack (private).
+"""The path every collective call takes: validate, plan, check, pack, call MPI, unpack (private).
 
-:func:`run` is the common tail of :mod:`pympar.collectives`: it refuses an ``out=`` that
-does not fit or overlaps the input (CuPy arrays compared by their device pointer ranges),
-makes the call's one agreement check, and hands over to :func:`move`.
+:func:`run` is the body of every function of :mod:`pympar.collectives`; a rank refusing its
+own arguments (or an ``out=`` that does not fit or overlaps the input) makes the others raise.
 """
 
 from __future__ import annotations
 
+import operator
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -16,19 +16,30 @@ from mpi4py import MPI
 from . import _agreement, backend, debug, stats
 from ._agreement import refuse
 from ._comm_state import Communicator
-from ._plans import Plan, pack, unpack
+from ._plans import Plan, pack, signature, unpack
 from .errors import CollectiveMismatchError
 
 _IN_PLACE = MPI.IN_PLACE
 
 
-def _overlaps(out: Any, x: Any) -> bool:
-    """Whether ``out`` shares memory with ``x`` without being it. Two arrays that each own
-    their memory cannot overlap: the common case skips the comparison."""
-    if out is x or (out.base is None and x.base is None):
-        return False
-    # CuPy's may_share_memory compares the device ranges without handing a pointer out.
-    return bool(backend.array_module(x).may_share_memory(out, x))
+def as_array(x: Any, what: str) -> Any:
+    """``x`` if it is a NumPy or CuPy array (a NumPy scalar becomes a 0-d array), else
+    ``TypeError`` naming ``what``: array-likes are refused, not converted (a copy)."""
+    if type(x) is not np.ndarray:
+        if isinstance(x, (np.ndarray, np.generic)):
+            return np.asarray(x)
+        if not backend.is_cupy_array(x):
+            raise TypeError(f"{what}: x must be a numpy.ndarray or cupy.ndarray, not "
+                            f"{type(x).__name__} (convert it with numpy.asarray)")
+    return x
+
+
+def index(value: Any, what: str, name: str) -> int:
+    """``value`` as an int, else ``TypeError`` naming ``what`` and the argument ``name``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be an int, not {type(value).__name__}") from None
 
 
 def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
@@ -42,11 +53,12 @@ def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
 
 
 def destination(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
-    """The C-contiguous array MPI (or the unpacking) writes for ``out``: ``out`` itself, or
-    scratch for a non-contiguous one; raises for an ``out`` that does not
-    fit or that overlaps ``x`` (``out`` may be ``x`` itself where the operation allows)."""
+    """What MPI (or the unpacking) writes for ``out``: ``out``, or scratch when it is not
+    C-contiguous; raises for an ``out`` that does not fit or overlaps ``x`` (but is not it)."""
     if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        if out is not x and (out.base is not None or x.base is not None) and _overlaps(out, x):
+        # Arrays owning their memory cannot overlap; CuPy's test compares device ranges.
+        if (out.base is not None or x.base is not None) and out is not x and \
+                backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
                              f"pass a separate array")
         return out if out.flags.c_contiguous else \
@@ -63,40 +75,46 @@ def claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> in
     native = x.dtype.newbyteorder("=")  # the result's dtype, and so out's
     if (type(out) is type(x) and out.dtype == native and out.ndim == len(shape)
             and out.shape[:axis] + (-1,) + out.shape[axis + 1:] == shape):
-        if _overlaps(out, x):
+        if out is not x and backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
         return out.shape[axis] + 1
     raise _unfit(x, out, shape, shown, native)
 
 
-# --------------------------------------------------------------------------- the path
-
-
-def run(group: Communicator, plan: Plan, x: Any, out: Any, name: str | None,
-         checked: bool = False) -> Any:
-    """Check, then move: the common tail of every collective (``checked``: already done)."""
-    if plan.swap:
-        x = x.astype(x.dtype.newbyteorder("="))
+def run(group: Communicator, x: Any, out: Any, name: str | None, what: str,
+        build: Callable[..., Plan], params: tuple, checked: bool = False) -> Any:
+    """The body of the collective ``what``: its plan (``build(group, x, *params)`` once per
+    key), the check (``checked``: already made), then :func:`move`."""
+    try:
+        if type(x) is not np.ndarray:
+            x = as_array(x, name or what)
+        key = (what, x.shape, x.dtype) + params
+        plan = group._state.plans.get(key)
+        if plan is None:
+            plan = group._state.remember(key, build(group, x, *params))
+        if plan.swap:
+            x = x.astype(x.dtype.newbyteorder("="))
+        dest = None if out is None else destination(group, plan, x, out)
+    except (TypeError, ValueError) as err:
+        if not checked:  # after an exchange of extents every rank raises alike
+            refuse(group, what, err)
+        raise
     own = name
     if _agreement._label is not None:
         name = f"{_agreement._label}/{name}" if name else _agreement._label
-    try:
-        dest = None if out is None else destination(group, plan, x, out)
-    except (TypeError, ValueError) as err:
-        if not checked:
-            refuse(group, plan.key[0], err)
-        raise
-    if not checked and group.size > 1 and not group._state.board.agree(
-            plan.signatures.get(name) or plan.signature(name), group, plan.shown,
-            debug._timeout):
-        debug.report(group, _agreement.describe(plan.shown, name))
+    if not checked and group.size > 1:
+        sig = plan.signatures.get(name)
+        if sig is None:
+            sig = plan.signatures[name] = signature(plan.key, name)
+        if not group._state.board.agree(sig, group, plan.shown, debug._timeout):
+            debug.report(group, f"{plan.shown} in {name}" if name else plan.shown)
     if not stats._active:
         return move(group, plan, x, dest, out)
     start = time.perf_counter()
     y = move(group, plan, x, dest, out)
     # A layer's collectives keep their kind ("Linear3D.forward:all_gather"); a mapping's
-    # label already says it.
-    kind = own or (f"{name}:{plan.key[0]}" if name else plan.key[0])
+    # own label names its call.
+    kind = own or (f"{name}:{what}" if name else what)
     stats.add(group.name, kind, x.nbytes, y.nbytes, time.perf_counter() - start)
     return y
 
@@ -135,12 +153,9 @@ def move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
         try:  # blocking, watchdog or not: every rank passed this very call's check
             if plan.chunk is None:
                 receive = [wrecv, *plan.recv_spec]
-                if wsend is None:
-                    call(receive, *plan.tail)
-                elif wsend is _IN_PLACE:
-                    call(wsend, receive, *plan.tail)
-                else:
-                    call([wsend, *plan.send_spec], receive, *plan.tail)
+                call(receive, *plan.tail) if wsend is None else call(
+                    wsend if wsend is _IN_PLACE else [wsend, *plan.send_spec], receive,
+                    *plan.tail)
             else:
                 _call_in_parts(group, plan, wsend, wrecv)
         except MPI.Exception as err:
@@ -164,16 +179,11 @@ def move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
 
 def _call_in_parts(group: Communicator, plan: Plan, send: Any, recv: Any) -> None:
     """The data call, for MPI-3 and a count above INT_MAX, as a few calls on slices."""
-    call = getattr(group.comm, plan.method)
+    call, chunk = getattr(group.comm, plan.method), plan.chunk
     flat_r = recv.reshape(-1)
     flat_s = send.reshape(-1) if send is not None and send is not _IN_PLACE else send
-    for lo in range(0, flat_r.size, plan.chunk):
-        call(*_args(plan, flat_s[lo:lo + plan.chunk] if flat_s is not None and
-                    flat_s is not _IN_PLACE else flat_s, flat_r[lo:lo + plan.chunk]))
-
-
-def _args(plan: Plan, send: Any, recv: Any) -> tuple:
-    receive = [recv, *plan.recv_spec]
-    if send is None:
-        return (receive, *plan.tail)
-    return (send if send is _IN_PLACE else [send, *plan.send_spec], receive, *plan.tail)
+    for lo in range(0, flat_r.size, chunk):
+        s = flat_s[lo:lo + chunk] if flat_s is not None and flat_s is not _IN_PLACE else flat_s
+        receive = [flat_r[lo:lo + chunk], *plan.recv_spec]
+        call(receive, *plan.tail) if s is None else call(
+            s if s is _IN_PLACE else [s, *plan.send_spec], receive, *plan.tail)

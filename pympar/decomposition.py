@@ -18,17 +18,17 @@ as one group given for two axes, raise on every rank instead of exchanging wrong
 from __future__ import annotations
 
 import operator
-import zlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _agreement, collectives, debug
+from . import collectives, debug
+from ._comm_state import freed_error
 from .group import Group
 from .partition import balanced_sizes, block_slice
 
-__all__ = ["Decomposition", "agree_all", "check_all", "signature"]
+__all__ = ["Decomposition", "agree_all", "check_all"]
 
 _CHECK_TAG = 29  # the neighbour check's messages
 
@@ -78,26 +78,20 @@ def agree_all(groups: Sequence[Group], key: tuple, shown: str,
         raise failure
 
 
-def signature(key: tuple, name: str | None) -> int:
-    """The agreement signature of ``key`` under the label ``name``, as
-    :func:`pympar.collectives.agree` computes it (so the two checks meet alike)."""
-    return zlib.crc32(repr((key, name)).encode()) | 1
 
 
 def check_all(groups: Sequence[Group], sig: int, shown: str, name: str | None) -> None:
-    """:func:`agree_all` of a key whose :func:`signature` ``sig`` is known (a repeated call:
+    """:func:`agree_all` of a key whose signature ``sig`` (:func:`pympar._plans.signature`) is known (a repeated call:
     no hashing), every group of more than one rank. A failure spreads as in :func:`agree_all`.
     """
     for at, group in enumerate(groups):
         board = group._state.board
         if board is None:
-            raise RuntimeError(f"{shown}: group {group.name!r} has been freed (Group.free or "
-                               f"manager.destroy_parallel); use the groups of the current "
-                               f"state")
+            raise freed_error(shown, group)
         if board.agree(sig, group, shown, debug._timeout):
             continue
         try:
-            debug.report(group, _agreement.describe(shown, name))
+            debug.report(group, f"{shown} in {name}" if name else shown)
         except debug.CollectiveMismatchError as err:
             agree_all(groups[at + 1:], (), shown, err)
         raise AssertionError("unreachable: debug.report raises")  # pragma: no cover

@@ -1,9 +1,5 @@
-"""``Group``: one MPI intracommunicator with a name and its members' global ranks.
-
-The array collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``,
-``all_to_all``, ``broadcast``) are methods of the group that delegate to
-:mod:`pympar.collectives`.
-"""
+"""``Group``: one MPI intracommunicator with a name, its members' global ranks and the
+array collectives of :mod:`pympar.collectives` as methods."""
 
 from __future__ import annotations
 
@@ -12,13 +8,21 @@ from typing import Sequence
 from mpi4py import MPI
 
 from . import collectives as _collectives
-from ._comm_state import CommState
+from ._comm_state import CommState, freed_error
 
 __all__ = ["Group"]
 
 
 class Group:
     """A process group: an mpi4py intracommunicator plus a name and global ranks.
+
+    Its collectives (:meth:`all_reduce`, :meth:`all_gather`, :meth:`reduce_scatter`,
+    :meth:`all_to_all`, :meth:`broadcast`: :mod:`pympar.collectives`) take NumPy or CuPy
+    arrays; every member calls them in the same order with matching arguments, and "rank"
+    in their arguments (``root``, the order of ``sizes``) is :attr:`rank`. A group caches
+    plans and scratch buffers, so it is not thread-safe. Creating a group of more than one
+    rank is collective over ``comm``: members sharing a node map the small shared-memory
+    board of the agreement check, which :meth:`free` unmaps.
 
     Parameters
     ----------
@@ -29,47 +33,27 @@ class Group:
     ranks : sequence of int
         Global ranks (ranks in the mesh's parent communicator) in group order.
     owns_comm : bool, optional
-        Whether :meth:`free` may free ``comm``. Groups made by ``Comm.Split``
-        own their communicator; a group wrapping ``COMM_WORLD`` does not.
+        Whether :meth:`free` may free ``comm`` (not for a group wrapping ``COMM_WORLD``).
 
     Attributes
     ----------
-    comm : mpi4py.MPI.Intracomm
-    name : str
-    ranks : tuple of int
     rank : int
-        This process's position in the group (its local rank).
+        This process's position in the group (its local rank); ``comm``, ``name`` and
+        ``ranks`` (a tuple) are the parameters.
     size : int
         Number of members.
-
-    Notes
-    -----
-    Collectives: :meth:`all_reduce`, :meth:`all_gather`, :meth:`reduce_scatter`,
-    :meth:`all_to_all` and :meth:`broadcast` take NumPy or CuPy arrays and
-    return arrays of the same module and dtype. Every member must call them in
-    the same order with matching arguments (``PYMPAR_DEBUG=1`` checks it). A
-    group caches MPI counts and scratch buffers, so it is not thread-safe. "Rank" in
-    the collectives' arguments (``root``, the order of ``sizes``) is the rank in this
-    group, :attr:`rank`, not the global rank.
-
-    Creating a group of more than one rank is collective over ``comm`` (like the
-    ``Comm.Split`` that made it): when all members share a node, the group allocates the
-    small shared-memory board of its agreement check; :meth:`free` unmaps it.
     """
 
     def __init__(self, comm: MPI.Intracomm, name: str, ranks: Sequence[int],
                  owns_comm: bool = True) -> None:
-        self.comm = comm
-        self.name = name
+        self.comm, self.name = comm, name
         self.ranks = tuple(int(r) for r in ranks)
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         if self.size != len(self.ranks):
             raise ValueError(f"group {name}: communicator has {self.size} ranks "
                              f"but {len(self.ranks)} global ranks were given")
         self._owns_comm = owns_comm
-        # The collectives' plans, scratch buffers and agreement board (collective).
-        self._state = CommState(comm)
+        self._state = CommState(comm)  # plans, scratch, agreement board (collective)
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, rank={self.rank}, size={self.size})"
@@ -81,25 +65,14 @@ class Group:
     broadcast = _collectives.broadcast
 
     def release_buffers(self) -> None:
-        """Drop the cached scratch arrays and MPI count plans of the collectives.
-
-        They are rebuilt on the next call; use this to return the memory of
-        large temporaries (at most 16 arrays, 2 GiB, per group) after a phase
-        with big messages.
-        """
+        """Drop the collectives' cached plans and scratch arrays (at most 16 arrays, 2 GiB),
+        rebuilt on the next call: the memory of a phase with big messages comes back."""
         self._state.release()
 
     def barrier(self) -> None:
-        """Block until every member has reached the barrier.
-
-        Raises
-        ------
-        RuntimeError
-            When the group has been freed.
-        """
+        """Block until every member has reached the barrier (RuntimeError once freed)."""
         if self.freed:
-            raise RuntimeError(f"barrier: group {self.name!r} has been freed (Group.free or "
-                               f"manager.destroy_parallel); use the groups of the current state")
+            raise freed_error("barrier", self)
         self.comm.Barrier()
 
     @property

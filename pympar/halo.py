@@ -42,7 +42,8 @@ from mpi4py import MPI
 
 from . import _agreement, backend, stats
 from ._halo_plan import DOWN, UP, Axis, Plan, widths
-from .decomposition import Decomposition, agree_all, check_all, signature
+from ._plans import signature
+from .decomposition import Decomposition, agree_all, check_all
 
 __all__ = ["HaloExchange"]
 

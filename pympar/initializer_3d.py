@@ -147,8 +147,10 @@ class _Initializer3DLine(ProcessGroupInitializer):
         return group.rank, group.size, group, list(group.ranks), self.mode
 
 
-class Initializer_3D_Input(_Initializer3DLine):
-    """3D tensor-parallel groups among input (coordinate ``j`` varies).
+def _line_initializer(suffix: str, mode: ParallelMode, among: str) -> type[_Initializer3DLine]:
+    """The initializer class ``Initializer_3D_<suffix>`` of the groups of ``mode``."""
+    name = f"Initializer_3D_{suffix}"
+    doc = f"""3D tensor-parallel groups among {among}.
 
     Parameters
     ----------
@@ -159,48 +161,21 @@ class Initializer_3D_Input(_Initializer3DLine):
     *args
         ``(comm, tensor_parallel_size)`` of :class:`ProcessGroupInitializer`.
     """
-
-    mode = ParallelMode.PARALLEL_3D_INPUT
-
-
-class Initializer_3D_Weight(_Initializer3DLine):
-    """3D tensor-parallel groups among weight (coordinate ``i`` varies).
-
-    Parameters are those of :class:`Initializer_3D_Input`.
-    """
-
-    mode = ParallelMode.PARALLEL_3D_WEIGHT
+    return type(name, (_Initializer3DLine,),
+                {"mode": mode, "__doc__": doc, "__module__": __name__, "__qualname__": name})
 
 
-class Initializer_3D_Output(_Initializer3DLine):
-    """3D tensor-parallel groups among output (coordinate ``k`` varies).
-
-    Parameters are those of :class:`Initializer_3D_Input`.
-    """
-
-    mode = ParallelMode.PARALLEL_3D_OUTPUT
-
-
-class Initializer_3D_InputxWeight(_Initializer3DLine):
-    """3D groups among input x weight (``i`` and ``j`` vary, ``i`` fastest).
-
-    Parameters are those of :class:`Initializer_3D_Input`.
-    """
-
-    mode = ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT
-
-
-class Initializer_3D_OutputxWeight(_Initializer3DLine):
-    """3D groups among output x weight (``i`` and ``k`` vary, ``i`` fastest).
-
-    Parameters are those of :class:`Initializer_3D_Input`.
-    """
-
-    mode = ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT
-
-
-_LINE_INITIALIZERS = (Initializer_3D_Input, Initializer_3D_Weight, Initializer_3D_Output,
-                      Initializer_3D_InputxWeight, Initializer_3D_OutputxWeight)
+_LINE_INITIALIZERS = tuple(_line_initializer(*line) for line in (
+    ("Input", ParallelMode.PARALLEL_3D_INPUT, "input (coordinate ``j`` varies)"),
+    ("Weight", ParallelMode.PARALLEL_3D_WEIGHT, "weight (coordinate ``i`` varies)"),
+    ("Output", ParallelMode.PARALLEL_3D_OUTPUT, "output (coordinate ``k`` varies)"),
+    ("InputxWeight", ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT,
+     "input x weight (``i`` and ``j`` vary, ``i`` fastest)"),
+    ("OutputxWeight", ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT,
+     "output x weight (``i`` and ``k`` vary, ``i`` fastest)"),
+))
+(Initializer_3D_Input, Initializer_3D_Weight, Initializer_3D_Output, Initializer_3D_InputxWeight,
+ Initializer_3D_OutputxWeight) = _LINE_INITIALIZERS
 
 
 class Initializer_3D(ProcessGroupInitializer):

@@ -9,6 +9,7 @@ state. It is the one piece of module-level state in pympar.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 from mpi4py import MPI
 
 from . import backend, faults
@@ -335,84 +336,39 @@ def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Grou
     return group_of_axis
 
 
-# The 16 getters of MindScience's distributed.manager, written out so that each has a real
-# return type. Each raises RuntimeError before initialize_parallel.
+# The 16 getters of MindScience's distributed.manager, four per group of the current state,
+# each with a real return type. Each raises RuntimeError before initialize_parallel.
 
-def get_tensor_parallel_group() -> Group:
-    """Return this rank's tensor-parallel :class:`~pympar.group.Group`."""
-    return get_parallel_state().tensor
+def _getters(axis: str, words: str) -> tuple[Callable[[], Group], Callable[[], str],
+                                              Callable[[], int], Callable[[], int]]:
+    """``get_<axis>_parallel_group``, ``_group_name``, ``_rank`` and ``_world_size``."""
+    def group() -> Group:
+        return getattr(get_parallel_state(), axis)
 
+    def name() -> str:
+        return group().name
 
-def get_tensor_parallel_group_name() -> str:
-    """Return the name of this rank's tensor-parallel group."""
-    return get_parallel_state().tensor.name
+    def rank() -> int:
+        return group().rank
 
+    def world_size() -> int:
+        return group().size
 
-def get_tensor_parallel_rank() -> int:
-    """Return this rank's position in its tensor-parallel group."""
-    return get_parallel_state().tensor.rank
-
-
-def get_tensor_parallel_world_size() -> int:
-    """Return the size of this rank's tensor-parallel group."""
-    return get_parallel_state().tensor.size
-
-
-def get_context_parallel_group() -> Group:
-    """Return this rank's context (sequence) parallel :class:`~pympar.group.Group`."""
-    return get_parallel_state().context
-
-
-def get_context_parallel_group_name() -> str:
-    """Return the name of this rank's context-parallel group."""
-    return get_parallel_state().context.name
+    mine = f"this rank's {words}"
+    for getter, suffix, doc in ((group, "group", f"{mine} :class:`~pympar.group.Group`"),
+                                (name, "group_name", f"the name of {mine} group"),
+                                (rank, "rank", f"this rank's position in its {words} group"),
+                                (world_size, "world_size", f"the size of {mine} group")):
+        getter.__name__ = getter.__qualname__ = f"get_{axis}_parallel_{suffix}"
+        getter.__doc__ = f"Return {doc}."
+    return group, name, rank, world_size
 
 
-def get_context_parallel_rank() -> int:
-    """Return this rank's position in its context-parallel group."""
-    return get_parallel_state().context.rank
-
-
-def get_context_parallel_world_size() -> int:
-    """Return the size of this rank's context-parallel group."""
-    return get_parallel_state().context.size
-
-
-def get_data_parallel_group() -> Group:
-    """Return this rank's data-parallel :class:`~pympar.group.Group`."""
-    return get_parallel_state().data
-
-
-def get_data_parallel_group_name() -> str:
-    """Return the name of this rank's data-parallel group."""
-    return get_parallel_state().data.name
-
-
-def get_data_parallel_rank() -> int:
-    """Return this rank's position in its data-parallel group."""
-    return get_parallel_state().data.rank
-
-
-def get_data_parallel_world_size() -> int:
-    """Return the size of this rank's data-parallel group."""
-    return get_parallel_state().data.size
-
-
-def get_data_context_parallel_group() -> Group:
-    """Return this rank's data x context parallel :class:`~pympar.group.Group`."""
-    return get_parallel_state().data_context
-
-
-def get_data_context_parallel_group_name() -> str:
-    """Return the name of this rank's data x context parallel group."""
-    return get_parallel_state().data_context.name
-
-
-def get_data_context_parallel_rank() -> int:
-    """Return this rank's position in its data x context parallel group."""
-    return get_parallel_state().data_context.rank
-
-
-def get_data_context_parallel_world_size() -> int:
-    """Return the size of this rank's data x context parallel group."""
-    return get_parallel_state().data_context.size
+(get_tensor_parallel_group, get_tensor_parallel_group_name, get_tensor_parallel_rank,
+ get_tensor_parallel_world_size, get_context_parallel_group, get_context_parallel_group_name,
+ get_context_parallel_rank, get_context_parallel_world_size, get_data_parallel_group,
+ get_data_parallel_group_name, get_data_parallel_rank, get_data_parallel_world_size,
+ get_data_context_parallel_group, get_data_context_parallel_group_name,
+ get_data_context_parallel_rank, get_data_context_parallel_world_size) = (
+    *_getters("tensor", "tensor-parallel"), *_getters("context", "context (sequence) parallel"),
+    *_getters("data", "data-parallel"), *_getters("data_context", "data x context parallel"))

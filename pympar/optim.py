@@ -240,14 +240,7 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (torch ``AdamW`` semantics).
 
     Before the Adam step, ``p *= 1 - lr * weight_decay``; the gradient is not modified.
-
-    Parameters
-    ----------
-    params : Module or iterable of Parameter
-    lr : float, default 1e-3
-    betas : (float, float), default (0.9, 0.999)
-    eps : float, default 1e-8
-    weight_decay : float, default 0.01
+    Parameters are those of :class:`Adam`, with ``weight_decay`` 0.01 by default.
     """
 
     decoupled = True

@@ -27,9 +27,8 @@ def is_recording() -> bool:
 
 
 def add(group: str, operation: str, bytes_in: int, bytes_out: int, seconds: float) -> None:
-    """Account one call to every active recorder: its group's name (``"tp-0-1"``), the
-    operation (``"all_reduce"``), the bytes of its input and result on this rank, and its
-    wall-clock seconds."""
+    """Account one call to every active recorder: group name (``"tp-0-1"``), operation
+    (``"all_reduce"``), bytes of its input and result on this rank, and wall-clock seconds."""
     for recorder in _active:
         recorder.add(group, operation, bytes_in, bytes_out, seconds)
 
@@ -37,10 +36,8 @@ def add(group: str, operation: str, bytes_in: int, bytes_out: int, seconds: floa
 class Recorder:
     """Totals of calls, bytes in, bytes out and seconds per (group, operation).
 
-    A recorder collects while it is active, i.e. inside ``with recorder:``
-    (:func:`record` returns a fresh one). Entering it again later keeps adding
-    to the same totals; :meth:`reset` clears them. Totals are this rank's own:
-    each rank records what it did.
+    A recorder collects while it is active, inside ``with recorder:`` (again later: the
+    same totals go on; :meth:`reset` clears them). Totals are this rank's own.
 
     Attributes
     ----------
@@ -56,24 +53,15 @@ class Recorder:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        # Remove this exact object (the last occurrence), even if recorders were
-        # exited out of order.
-        for i in range(len(_active) - 1, -1, -1):
-            if _active[i] is self:
-                del _active[i]
-                break
+        # This exact object's last entry, even if recorders were exited out of order.
+        del _active[len(_active) - 1 - _active[::-1].index(self)]
 
     def add(self, group: str, operation: str, bytes_in: int, bytes_out: int,
             seconds: float) -> None:
         """Account one call (see :func:`add`)."""
-        row = self.rows.get((group, operation))
-        if row is None:
-            self.rows[(group, operation)] = [1, int(bytes_in), int(bytes_out), float(seconds)]
-        else:
-            row[0] += 1
-            row[1] += int(bytes_in)
-            row[2] += int(bytes_out)
-            row[3] += float(seconds)
+        row = self.rows.setdefault((group, operation), [0, 0, 0, 0.0])
+        row[:] = (row[0] + 1, row[1] + int(bytes_in), row[2] + int(bytes_out),
+                  row[3] + float(seconds))
 
     def reset(self) -> None:
         """Forget every total."""
@@ -85,15 +73,8 @@ class Recorder:
                                                                  (0, 0, 0, 0.0)))))
 
     def as_dict(self) -> dict[str, Any]:
-        """Return the totals as plain data.
-
-        Returns
-        -------
-        dict
-            ``{"rows": [{"group", "operation", "calls", "bytes_in", "bytes_out",
-            "seconds"}, ...], "totals": {...}}``, rows sorted by group then
-            operation.
-        """
+        """Return ``{"rows": [{"group", "operation", "calls", "bytes_in", "bytes_out",
+        "seconds"}, ...], "totals": {...}}``, rows sorted by group then operation."""
         rows = [{"group": g, "operation": op, **dict(zip(_FIELDS, values))}
                 for (g, op), values in sorted(self.rows.items())]
         return {"rows": rows, "totals": self.totals()}
@@ -106,36 +87,21 @@ class Recorder:
         """Return the totals as an aligned text table (group, operation, calls, bytes in,
         bytes out, seconds) with a totals line."""
         header = ("group", "operation", "calls", "bytes in", "bytes out", "seconds")
-        body = [(g, op, str(c), str(bi), str(bo), f"{s:.6f}")
-                for (g, op), (c, bi, bo, s) in sorted(self.rows.items())]
-        t = self.totals()
-        footer = ("total", "", str(t["calls"]), str(t["bytes_in"]), str(t["bytes_out"]),
-                  f"{t['seconds']:.6f}")
-        lines = [header, *body, footer]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-
-        def fmt(line: tuple[str, ...]) -> str:
-            # Names left-aligned, numbers right-aligned.
-            return "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                             for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
-
+        rows = [*sorted(self.rows.items()), (("total", ""), tuple(self.totals().values()))]
+        body = [(g, op, str(c), str(bi), str(bo), f"{s:.6f}") for (g, op), (c, bi, bo, s) in rows]
+        widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
+        # Names left-aligned, numbers right-aligned.
+        lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                           for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+                 for line in (header, *body)]
         rule = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(header), rule, *map(fmt, body), rule, fmt(footer)])
+        return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
 
     def __repr__(self) -> str:
-        t = self.totals()
-        return f"Recorder({len(self.rows)} rows, {t['calls']} calls)"
+        return f"Recorder({len(self.rows)} rows, {self.totals()['calls']} calls)"
 
 
 def record() -> Recorder:
-    """Return a new :class:`Recorder`, active inside ``with pympar.stats.record() as rec:``.
-
-    Examples
-    --------
-    >>> with record() as rec:
-    ...     pass
-    >>> rec.totals()["calls"]
-    0
-    """
+    """Return a new :class:`Recorder`, active inside ``with pympar.stats.record() as rec:``."""
     return Recorder()
 

@@ -109,7 +109,7 @@ def test_plans_and_launch_command(monkeypatch):
     quick, full = run.plan(True), run.plan(False)
     assert {j.name for j in quick} == {"mappings", "torch_comm", "mlp", "comm_volume_8",
                                          "memory", "attention", "checkpoint",
-                                         "fft_1", "fft_2", "fft_4", "halo"}
+                                         "fft_1", "fft_2", "fft_4", "halo", "mappings_ab"}
     assert {j.name for j in full} == {j.name for j in quick} | {"comm_volume_27"}
     assert all((run.HERE / j.script).is_file() for j in full)
     # scripts/mpirun.sh exports these when the suite itself runs under Open MPI
@@ -124,6 +124,34 @@ def test_plans_and_launch_command(monkeypatch):
     monkeypatch.setenv("MPIEXEC", "/no/such/mpiexec")
     with pytest.raises(FileNotFoundError, match="not found"):
         run.find_mpiexec()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mappings_ab_combines_rounds_and_judges_both_targets():
+    from benchmarks import bench_mappings_ab, report_mappings
+
+    def doc(extra: float, check: float) -> dict:
+        return {"rows": [{"op": "reduce_from_all", "bytes": 1024, "communicates": True,
+                          "extra_us": extra, "pympar_us": 10 + extra, "raw_us": 10.0,
+                          "check_us": check, "floor_us": 0.3},
+                         {"op": "copy_to_all", "bytes": 1024, "communicates": False,
+                          "extra_us": 9.0, "pympar_us": 9.0, "raw_us": 0.0, "check_us": 0.0,
+                          "floor_us": None}]}
+    rows = bench_mappings_ab.combine({"before": [doc(2.0, 1.0), doc(4.0, 3.0), doc(3.0, 9.0)],
+                                      "after": [doc(1.0, 1.0), doc(5.0, 2.0), doc(2.0, 0.5)]})
+    row = next(r for r in rows if r["op"] == "reduce_from_all")
+    assert (row["before_extra_us"], row["after_extra_us"]) == (3.0, 2.0)
+    assert (row["before_check_us"], row["after_check_us"]) == (3.0, 1.0)
+    local = next(r for r in rows if r["op"] == "copy_to_all")
+    assert local["after_floor_us"] is None and not local["communicates"]
+    text = "\n".join(report_mappings.section_mappings_ab(
+        {"ranks": 2, "dtype": "float32", "base": "a7a8f63", "rounds": 3, "repeats": 5,
+         "seconds": 1.0, "rows": rows}))
+    assert "| reduce_from_all | 1 KiB | 3.00 / 2.00 | 3.00 / 1.00 | 0.30 / 0.30 |" in text
+    assert row["after_extra_us_spread"] == 4.0
+    assert "pympar - raw no worse than before at 1 KiB: median change -1.00 us over 1 rows" \
+        " (0 higher; a row's spread over rounds: median 4.00 us), met" in text
+    assert "the check's cost no worse than before at 1 KiB: median change -2.00 us" in text
 
 
 @pytest.mark.mpi(min_size=1)
