@@ -2,26 +2,21 @@
 
 Before its data call every rank of a group writes the call's 32-bit signature (odd;
 :data:`REFUSED` for a rank refusing its own arguments) and reads every rank's; the group
-agrees when all equal this rank's. One mechanism for every collective means that ranks
-making different calls meet in the same exchange instead of waiting in two.
+agrees when all equal this rank's. Ranks making different calls meet in the same exchange.
 
 * :class:`Board` (every rank on one node): no message. Each rank writes its word into a
   shared mapping (a file in ``/dev/shm``) and polls the others'. The word of check ``k``
-  (1 to ``2**32 - 2``, alike on every rank of a correct program) is ``k << 32 |
-  signature`` at ``(k & 1) * size + rank``; a reader waits until it carries ``k``.
-  Aligned 8-byte stores and loads are single instructions on x86-64 and aarch64 and the
-  data moves through MPI afterwards, so no fences are needed. Two parities suffice: a
-  rank starts check ``k + 2`` only after every rank wrote its word of ``k + 1``, that
-  is after every rank finished reading the words of ``k``.
+  (1 to ``2**32 - 2``, alike on every rank) is ``k << 32 | signature`` at ``(k & 1) *
+  size + rank``. Aligned 8-byte stores and loads are single instructions on x86-64 and
+  aarch64 and the data moves through MPI afterwards: no fences. Two parities suffice: a
+  rank starts check ``k + 2`` only after every rank finished reading the words of ``k``.
 * :class:`MessageBoard` (ranks on several nodes): one 8-byte ``Iallgather`` per check.
 
 A rank that never comes leaves the others waiting until the watchdog's ``PYMPAR_TIMEOUT``
 (a shared board names the ranks missing); one that ended (:func:`depart`) makes them raise
 :class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields its core after a
-short tight spin and drives MPI's progress engine (one ``Iprobe`` per look): the rank it
-waits for may be in a send that needs this rank's earlier receive to progress.
+short spin and drives MPI's progress (``Iprobe``): the rank it waits for may need it.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -107,9 +102,10 @@ class Board:
             gone = seen >> 32 == _GONE
             if gone or deadline is not None and time.monotonic() >= deadline:
                 counts = [w >> 32 for w in slots[(k & 1) * self.size:][:self.size]]
-                raise ended_error(what, group, [r for r, c in enumerate(counts) if c == _GONE]) \
-                    if gone else timeout_error(what, group, timeout, None,
-                                               [r for r, c in enumerate(counts) if c != k])
+                if gone:
+                    raise ended_error(what, group, [r for r, c in enumerate(counts) if c == _GONE])
+                raise timeout_error(what, group, timeout, None,
+                                    [r for r, c in enumerate(counts) if c != k])
 
     def depart(self) -> None:
         """Mark this rank ended in the next check's slot (others may still read this one's)."""

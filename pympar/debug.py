@@ -1,23 +1,20 @@
 """Debug mode and the watchdog of pympar collectives.
 
-Every collective checks, cheaply, that every rank makes the same call
-(:mod:`pympar.collectives`); ranks that differ raise :class:`CollectiveMismatchError` on
-every rank, naming each rank's call. Two settings, read once at import and alike on every
-rank (compared when a mesh or group is made), go further; :func:`debug_mode` sets both
-for a ``with`` block.
+Every collective checks that every rank makes the same call (:mod:`pympar.collectives`);
+ranks that differ raise :class:`CollectiveMismatchError` on every rank, naming each rank's
+call. Two settings, read at import and alike on every rank (compared when a mesh or group
+is made), go further; :func:`debug_mode` sets both for a ``with`` block.
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
-    The report also names where each rank made its call (the first frame outside pympar,
-    ``file:line in function``), and an uncaught error shows its traceback. Free until then.
+    The report also names where each rank made its call (the first frame outside pympar),
+    and an uncaught error shows its traceback. Free until then.
 
 ``PYMPAR_TIMEOUT=seconds`` (:func:`set_timeout`; :data:`DEFAULT_TIMEOUT` if unset, 0: never)
     The watchdog: every wait for other ranks to arrive (the agreement check, the exchanges
     after it, the settings agreement, the end of the program) raises
     :class:`CollectiveTimeoutError` after it, naming the operation, the group and (within
-    a node) the ranks that did not arrive. The data call stays blocking: it starts only
-    once every rank passed the same check.
+    a node) the ranks missing. The data call stays blocking: every rank passed its check.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -148,19 +145,14 @@ _REFUSED = "refused by this rank"
 
 def _ranks_in_words(group: Any, ranks: list[int]) -> str:
     """``"rank 1 (global 5)"`` or ``"ranks 0, 2-3 (global 4, 6-7)"``."""
-    def spans(values: list[int]) -> str:
-        parts, start = [], 0
-        for i in range(1, len(values) + 1):
-            if i == len(values) or values[i] != values[i - 1] + 1:
-                first, last = values[start], values[i - 1]
-                parts.append(str(first) if first == last else f"{first}-{last}")
-                start = i
-        return ", ".join(parts)
+    def spans(v: list[int]) -> str:  # [0, 2, 3] -> "0, 2-3"
+        starts = [i for i in range(len(v)) if i == 0 or v[i - 1] != v[i] - 1]
+        return ", ".join(str(v[a]) if a == b - 1 else f"{v[a]}-{v[b - 1]}"
+                         for a, b in zip(starts, starts[1:] + [len(v)]))
 
     if len(ranks) == 1:
         return where(group, ranks[0])
-    world = [group.ranks[r] for r in ranks]
-    return f"ranks {spans(ranks)} (global {spans(world)})"
+    return f"ranks {spans(ranks)} (global {spans([group.ranks[r] for r in ranks])})"
 
 
 def report(group: Any, shown: str, hint: str = "") -> None:
@@ -187,21 +179,16 @@ def report(group: Any, shown: str, hint: str = "") -> None:
         ranks_of.setdefault(call, []).append(r)
     subjects = {call.partition(_DETAIL)[0] for call in ranks_of}
     same = len(subjects) == 1 and _DETAIL in calls[0]
-    shown_calls = list(ranks_of.items())[:_SHOWN_RANKS]
     listing = "; ".join(
         f"{_ranks_in_words(group, ranks)}: "
         f"{call.partition(_DETAIL)[2] if same else call.replace(_DETAIL, ' with ')}"
-        for call, ranks in shown_calls)
+        for call, ranks in list(ranks_of.items())[:_SHOWN_RANKS])
     if len(ranks_of) > _SHOWN_RANKS:
         listing += f"; ... ({len(ranks_of) - _SHOWN_RANKS} more distinct calls)"
     if any(_REFUSED in call for call in ranks_of):
         hint = "every rank raises: fix the input that a rank refused"
-    if same:
-        must = hint or "every rank must pass the same"
-        message = (f"ranks of group {group.name!r} disagree on {subjects.pop()}: {listing}; "
-                   f"{must}")
-    else:
-        must = hint or ("every rank of the group must make the same call (operation, dtype, "
-                        "extents, label) in the same order")
-        message = f"ranks of group {group.name!r} disagree on a collective: {listing}; {must}"
-    raise CollectiveMismatchError(message)
+    must = hint or ("every rank must pass the same" if same else "every rank of the group "
+                    "must make the same call (operation, dtype, extents, label) in the same order")
+    subject = subjects.pop() if same else "a collective"
+    raise CollectiveMismatchError(
+        f"ranks of group {group.name!r} disagree on {subject}: {listing}; {must}")

@@ -36,7 +36,7 @@ import numpy as np
 from . import manager
 from ._optim_state import ShardedStateMixin
 from .backend import accumulation_dtype, array_module
-from .modules.core import Module, as_parameter_list
+from .modules.core import Module, as_parameter_list, check_backward_done
 from .modules.parameter import Parameter
 from .collectives import agree, label
 from .optim import AdamW, Optimizer, flat_label
@@ -311,6 +311,7 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
             parameters) before the update, e.g. ``1 / loss_scale``.
         """
         grad_scale = float(grad_scale)
+        check_backward_done(self.params, self.group, "ZeroRedundancyOptimizer.step")  # debug
         self._agree_on_update(grad_scale)
         for b, bucket in enumerate(self._buckets):
             self._reduce_scatter(b, bucket, grad_scale)

@@ -120,3 +120,15 @@ def test_a_parallel_layer_over_a_pending_cache_raises_on_every_rank(clean_state)
             layer.saved_tensors()
         step(False)  # the group is still usable
     assert not debug.is_enabled()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_backward_skipped_on_one_rank_is_named_at_the_zero_step(world_group):
+    from pympar.zero import ZeroRedundancyOptimizer
+    model = _model()
+    opt = ZeroRedundancyOptimizer(model, group=world_group, lr=1e-2)
+    with debug_mode(True, timeout=8.0):
+        _step(model, WORLD.rank == SKIPS)
+        error = CollectiveMismatchError if P > 1 else RuntimeError
+        raises_everywhere(error, rf"ZeroRedundancyOptimizer.step on global rank {SKIPS} of "
+                          rf"{P}: the backward of Linear\(in_features=4.*never ran", opt.step)
