@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 
 import numpy as np
@@ -18,7 +19,7 @@ from mpi4py import MPI
 from . import debug
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, wait
 
-__all__ = ["MUST_AGREE", "settings", "check_settings", "check_same"]
+__all__ = ["MUST_AGREE", "ROLL_CALL_SECONDS", "settings", "check_settings", "check_same"]
 
 #: Environment variables whose settings must be the same on every rank.
 MUST_AGREE = ("PYMPAR_DEBUG", "PYMPAR_TIMEOUT")
@@ -41,13 +42,43 @@ def settings() -> dict[str, list[str]]:
             for name, value in effective.items()}
 
 
+#: Seconds a rank whose exchange timed out waits for word from the others that wait too.
+ROLL_CALL_SECONDS = 2.0
+_ROLL_CALL_TAG = 24301  # below 32767, the least MPI_TAG_UB the standard allows
+
+
+def _roll_call(comm: MPI.Comm, seconds: float = ROLL_CALL_SECONDS) -> list[int]:
+    """The ranks of ``comm`` not heard from within ``seconds``, after a timed-out exchange.
+
+    Every rank that timed out in the same exchange sends a token to every other rank and
+    collects theirs; the ranks that never called it send none. Point-to-point, so the
+    pending exchange does not block it; only taken on the way to an error.
+    """
+    size, me = comm.Get_size(), comm.Get_rank()
+    token, status = np.zeros(1, np.uint8), MPI.Status()
+    for rank in range(size):
+        if rank != me:
+            comm.Isend(token, dest=rank, tag=_ROLL_CALL_TAG)  # left pending: the job ends
+    heard, deadline = {me}, time.monotonic() + seconds
+    while len(heard) < size and time.monotonic() < deadline:
+        if comm.Iprobe(MPI.ANY_SOURCE, _ROLL_CALL_TAG, status):
+            comm.Recv(token, source=status.Get_source(), tag=_ROLL_CALL_TAG)
+            heard.add(status.Get_source())
+        else:
+            time.sleep(1e-3)
+    return [rank for rank in range(size) if rank not in heard]
+
+
 def _timeout_error(what: str, comm: MPI.Comm, timeout: float,
                    request: MPI.Request) -> CollectiveTimeoutError:
+    missing = _roll_call(comm)
+    who = (f"rank(s) {missing} of the communicator did not call it (no word from them "
+           f"within {ROLL_CALL_SECONDS:g} s of this rank's timeout)" if missing else
+           "every rank answered a roll call, so some called it with other arguments or "
+           "over another communicator")
     error = CollectiveTimeoutError(
         f"{what} did not complete within {timeout:g} s on rank {comm.Get_rank()} of "
-        f"{comm.Get_size()}: other ranks of the communicator have not called it (the ranks "
-        "that did not call it cannot know and wait in their own next collective); the "
-        "communicator is no longer usable")
+        f"{comm.Get_size()}: {who}; the communicator is no longer usable")
     error.request = request
     return error
 

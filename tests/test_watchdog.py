@@ -171,10 +171,10 @@ def test_a_mapping_that_one_rank_calls_while_the_other_is_busy(tmp_path, bound):
 def test_initialize_parallel_on_some_ranks_only(tmp_path, bound):
     status, output, seconds = launch(tmp_path, "init_some")
     assert status != 0 and TIMEOUT < seconds < bound, (status, seconds, output)
-    # The exchange is a message (no group exists yet): it cannot name the missing rank.
+    # No group exists yet: a roll call after the timeout names the rank that never came.
     said_once("[pympar rank 0/2] uncaught CollectiveTimeoutError: initialize_parallel did "
-              "not complete within 3 s on rank 0 of 2: other ranks of the communicator have "
-              "not called it", output)
+              "not complete within 3 s on rank 0 of 2: rank(s) [1] of the communicator did "
+              "not call it", output)
 
 
 @single_process
@@ -183,6 +183,10 @@ def test_initialize_parallel_over_different_communicators(tmp_path, bound):
     status, output, seconds = launch(tmp_path, "init_comms")
     assert status != 0 and TIMEOUT < seconds < bound, (status, seconds, output)
     assert "initialize_parallel did not complete within 3 s on rank" in output, output
+    # Each rank waits on its own communicator, where the other never calls it.
+    for rank, other in ((0, 1), (1, 0)):
+        assert (f"within 3 s on rank {rank} of 2: rank(s) [{other}] of the communicator did "
+                f"not call it") in output, output
     assert "Traceback" not in output, output
 
 
