@@ -18,7 +18,7 @@ from . import debug
 from ._board import REFUSED
 from ._comm_state import freed_error
 from ._plans import signature
-from .errors import CollectiveMismatchError, wait
+from .errors import CollectiveMismatchError, wait, where
 
 # The label of the code running collectives (see label()), and those it is nested in.
 _label: str | None = None
@@ -113,7 +113,7 @@ def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,
     wrong = [q for q, c in enumerate(claims) if c and c - 1 != total]
     if wrong:
         raise CollectiveMismatchError(
-            f"{shown} on group {group.name!r}: the out of rank(s) {wrong} has "
+            f"{shown} on group {group.name!r}: the out of {where(group, *wrong)} has "
             f"{[claims[q] - 1 for q in wrong]} along the gathered axis, but the ranks' "
             f"blocks add up to {total}; every rank raises")
     return tuple(sizes)
