@@ -86,11 +86,10 @@ def refuse(group: Any, what: str, error: Exception) -> None:
 def agree(group: Any, key: tuple, shown: str) -> None:
     """Check that every rank of ``group`` reaches this point with an equal ``key``.
 
-    The collectives' own check (the enclosing :func:`label` compared too), for what they
-    do not cover (a ring of point-to-point messages) or too coarsely (a flat buffer whose
-    parts every rank must order alike). ``key`` is hashed through its ``repr``; ``shown``
-    is the call in words. Every rank raises :class:`~pympar.errors.CollectiveMismatchError`
-    when the keys differ (``RuntimeError`` for a freed group).
+    The collectives' own check (with the enclosing :func:`label`; ``key`` hashed through its
+    ``repr``, ``shown`` the call in words) for what they do not cover (a ring of messages)
+    or too coarsely (a flat buffer whose parts every rank must order alike): every rank raises
+    :class:`~pympar.errors.CollectiveMismatchError` when the keys differ (RuntimeError: freed).
     """
     if group.size > 1:
         name = within(None)
