@@ -18,7 +18,7 @@ from . import debug
 from ._board import REFUSED
 from ._comm_state import freed_error
 from ._plans import signature
-from .errors import CollectiveMismatchError, wait
+from .errors import CollectiveMismatchError, wait, where
 
 # The label of the code running collectives (see label()), and those it is nested in.
 _label: str | None = None
@@ -86,11 +86,10 @@ def refuse(group: Any, what: str, error: Exception) -> None:
 def agree(group: Any, key: tuple, shown: str) -> None:
     """Check that every rank of ``group`` reaches this point with an equal ``key``.
 
-    The collectives' own check (the enclosing :func:`label` compared too), for what they
-    do not cover (a ring of point-to-point messages) or too coarsely (a flat buffer whose
-    parts every rank must order alike). ``key`` is hashed through its ``repr``; ``shown``
-    is the call in words. Every rank raises :class:`~pympar.errors.CollectiveMismatchError`
-    when the keys differ (``RuntimeError`` for a freed group).
+    The collectives' own check (with the enclosing :func:`label`; ``key`` hashed through its
+    ``repr``, ``shown`` the call in words) for what they do not cover (a ring of messages)
+    or too coarsely (a flat buffer whose parts every rank must order alike): every rank raises
+    :class:`~pympar.errors.CollectiveMismatchError` when the keys differ (RuntimeError: freed).
     """
     if group.size > 1:
         name = within(None)
@@ -113,7 +112,7 @@ def extents(group: Any, sig: int, shown: str, name: str | None, extent: int,
     wrong = [q for q, c in enumerate(claims) if c and c - 1 != total]
     if wrong:
         raise CollectiveMismatchError(
-            f"{shown} on group {group.name!r}: the out of rank(s) {wrong} has "
+            f"{shown} on group {group.name!r}: the out of {where(group, *wrong)} has "
             f"{[claims[q] - 1 for q in wrong]} along the gathered axis, but the ranks' "
             f"blocks add up to {total}; every rank raises")
     return tuple(sizes)

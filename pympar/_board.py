@@ -4,18 +4,16 @@ Before its data call every rank of a group writes the call's 32-bit signature (o
 :data:`REFUSED` for a rank refusing its own arguments) and reads every rank's; the group
 agrees when all equal this rank's. Ranks making different calls meet in the same exchange.
 
-* :class:`Board` (every rank on one node): no message. Each rank writes its word into a
-  shared mapping (a file in ``/dev/shm``) and polls the others'. The word of check ``k``
-  (1 to ``2**32 - 2``, alike on every rank) is ``k << 32 | signature`` at ``(k & 1) *
-  size + rank``. Aligned 8-byte stores and loads are single instructions on x86-64 and
-  aarch64 and the data moves through MPI afterwards: no fences. Two parities suffice: a
-  rank starts check ``k + 2`` only after every rank finished reading the words of ``k``.
-* :class:`MessageBoard` (ranks on several nodes): one 8-byte ``Iallgather`` per check.
+* :class:`Board` (one node): each rank writes its word into a shared mapping (a file in
+  ``/dev/shm``) and polls the others'. Check ``k`` (1 to ``2**32 - 2``) writes ``k << 32 |
+  signature`` at ``(k & 1) * size + rank``: aligned 8-byte stores and loads are single
+  instructions on x86-64 and aarch64 and the data moves through MPI afterwards, so no
+  fences; a rank starts check ``k + 2`` only after every rank read the words of ``k``.
+* :class:`MessageBoard` (several nodes): one 8-byte ``Iallgather`` per check.
 
-A rank that never comes leaves the others waiting until the watchdog's ``PYMPAR_TIMEOUT``
-(a shared board names the ranks missing); one that ended (:func:`depart`) makes them raise
-:class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields its core after a
-short spin and drives MPI's progress (``Iprobe``): the rank it waits for may need it.
+A late rank makes the others raise after the watchdog's timeout; one that ended
+(:func:`depart`), :class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields
+its core after a short spin and drives MPI's progress (``Iprobe``).
 """
 from __future__ import annotations
 
@@ -162,9 +160,8 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
     """The board of ``comm`` (collective): None for one rank, shared memory when every rank
     shares a node, else (or when anything fails, or :data:`SHARED` is off) messages.
 
-    Rank 0 creates the file, the others open it by the name it broadcasts, and once all
-    have mapped it rank 0 unlinks it: nothing is left behind. Plain files rather than an
-    MPI shared window: Open MPI's one-sided components print errors without UCX hardware.
+    Rank 0 creates the file and unlinks it once all have mapped it. Plain files rather than
+    an MPI shared window: Open MPI's one-sided components print errors without UCX hardware.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
@@ -182,21 +179,15 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
         path = f"{SHARED_DIR}/pympar-board-{os.getpid()}-{secrets.token_hex(8)}".encode()
         with contextlib.suppress(OSError):  # an empty name: no board anywhere
             if len(path) < _NAME_BYTES:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    os.ftruncate(fd, nbytes)  # zero-filled
-                finally:
-                    os.close(fd)
+                with open(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), "wb") as file:
+                    file.truncate(nbytes)  # zero-filled
                 name[:len(path)] = np.frombuffer(path, dtype=np.uint8)
     comm.Bcast(name, root=0)
     path = bytes(name).rstrip(b"\0")
     if path:
         with contextlib.suppress(OSError, ValueError):
-            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                board = Board(mmap.mmap(fd, nbytes), size, rank)
-            finally:
-                os.close(fd)
+            with open(os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)), "r+b") as file:
+                board = Board(mmap.mmap(file.fileno(), nbytes), size, rank)
     # Every rank takes the shared path or none does; the reduction is also the barrier
     # after which nobody opens the file any more.
     agreed = np.array([board is not None], dtype=np.int32)

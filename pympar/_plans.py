@@ -64,11 +64,10 @@ def unpack(dest: Any, flat: Any, b: Blocks) -> None:
 class Plan:
     """What one collective call needs that depends only on metadata, computed once.
 
-    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (no send part
-    for ``Bcast``; the blocking mpi4py name). ``send``/``recv``: the rank blocks to pack or
-    unpack, else None; ``work``: the dtype on the wire (float32 for half-precision sums);
-    ``chunk``: the slices of a count MPI-3 cannot express; ``key``: what every rank passes
-    alike, and ``signatures`` its hashes per label; ``shown``: the call in words.
+    The call is ``method([send, *send_spec], [recv, *recv_spec], *tail)`` (``Bcast``: no
+    send part); ``send``/``recv``: the rank blocks to pack or unpack, or None; ``work``: the
+    wire dtype (float32 for half-precision sums); ``chunk``: slices of a count MPI-3 cannot
+    express; ``key``: what every rank passes alike (``signatures``: its hashes per label).
     """
 
     __slots__ = ("out_shape", "work", "cast", "swap", "mpi_type", "method", "send_spec",

@@ -179,11 +179,10 @@ def move(group: Communicator, plan: Plan, x: Any, dest: Any, out: Any) -> Any:
 
 def _call_in_parts(group: Communicator, plan: Plan, send: Any, recv: Any) -> None:
     """The data call, for MPI-3 and a count above INT_MAX, as a few calls on slices."""
-    call, chunk = getattr(group.comm, plan.method), plan.chunk
-    flat_r = recv.reshape(-1)
-    flat_s = send.reshape(-1) if send is not None and send is not _IN_PLACE else send
-    for lo in range(0, flat_r.size, chunk):
-        s = flat_s[lo:lo + chunk] if flat_s is not None and flat_s is not _IN_PLACE else flat_s
-        receive = [flat_r[lo:lo + chunk], *plan.recv_spec]
-        call(receive, *plan.tail) if s is None else call(
-            s if s is _IN_PLACE else [s, *plan.send_spec], receive, *plan.tail)
+    call, chunk, flat = getattr(group.comm, plan.method), plan.chunk, recv.reshape(-1)
+    for lo in range(0, flat.size, chunk):
+        receive = [flat[lo:lo + chunk], *plan.recv_spec]
+        if send is None or send is _IN_PLACE:  # a broadcast, an in-place all_reduce
+            call(*(() if send is None else (send,)), receive, *plan.tail)
+        else:
+            call([send.reshape(-1)[lo:lo + chunk], *plan.send_spec], receive, *plan.tail)

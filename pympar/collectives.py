@@ -2,17 +2,14 @@
 
 ``Group.all_reduce`` and its siblings are these functions (the group first; a last
 ``label=`` names the caller in statistics and errors). Each returns ``out``, or a new
-C-contiguous array of ``x``'s module and dtype, after one path (``pympar._transfer.run``):
-validate, plan (cached per call kind), check that every rank makes the same call, pack,
-call MPI, unpack.
+C-contiguous array of ``x``'s module and dtype.
 
 Notes
 -----
 * Agreement: all ranks must pass the same operation, dtype, extents (those not gathered),
   axis, sizes, root, op and :func:`label`, else every rank raises the same
   :class:`~pympar.errors.CollectiveMismatchError`, also when one rank refuses its own
-  arguments (:func:`refuse`). On one node the check is a write and a read of shared
-  memory; across nodes one 8-byte ``Iallgather``.
+  arguments (:func:`refuse`). The check is one word per rank (``pympar._board``).
 * Layout: a non-leading axis is packed into rank-major blocks of a cached scratch buffer;
   results follow ``numpy.concatenate`` and ``numpy.array_split`` (:mod:`pympar.partition`).
   A gather given no ``sizes=`` learns every rank's extent in one small exchange.
@@ -23,8 +20,7 @@ Notes
   float16 and bfloat16 sum in float32; complex has no max/min; ``max``/``min`` with NaN
   give what MPI gives, not NumPy's propagation.
 * CuPy: device buffers go to MPI directly when :func:`pympar.backend.cuda_aware`, else
-  through pinned host buffers. The data call is blocking for every buffer; the
-  watchdog bounds the check before it (:mod:`pympar.debug`).
+  through pinned host buffers.
 """
 
 from __future__ import annotations

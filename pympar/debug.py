@@ -1,19 +1,14 @@
-"""Debug mode and the watchdog of pympar collectives.
+"""Debug mode, the watchdog and the mismatch report of pympar collectives.
 
-Every collective checks that every rank makes the same call (:mod:`pympar.collectives`);
-ranks that differ raise :class:`CollectiveMismatchError` on every rank, naming each rank's
-call. Two settings, read at import and alike on every rank (compared when a mesh or group
-is made), go further; :func:`debug_mode` sets both for a ``with`` block.
+Ranks whose calls differ raise :class:`CollectiveMismatchError` on every rank, naming each
+rank's call (:func:`report`). Two settings, alike on every rank, go further
+(:func:`debug_mode` sets both for a ``with`` block):
 
 ``PYMPAR_DEBUG=1`` (or :func:`enable`)
-    The report also names where each rank made its call (the first frame outside pympar),
-    and an uncaught error shows its traceback. Free until then.
-
+    The report names where each rank made its call; an uncaught error shows its traceback.
 ``PYMPAR_TIMEOUT=seconds`` (:func:`set_timeout`; :data:`DEFAULT_TIMEOUT` if unset, 0: never)
-    The watchdog: every wait for other ranks to arrive (the agreement check, the exchanges
-    after it, the settings agreement, the end of the program) raises
-    :class:`CollectiveTimeoutError` after it, naming the operation, the group and (within
-    a node) the ranks missing. The data call stays blocking: every rank passed its check.
+    Every wait for other ranks to arrive (not the data call: every rank passed its check)
+    raises :class:`CollectiveTimeoutError` after it, naming the ranks missing within a node.
 """
 from __future__ import annotations
 
@@ -57,12 +52,10 @@ def _check_timeout(seconds: float | None) -> float | None:
 
 def _parse_timeout(value: str) -> float | None:
     value = value.strip().lower()
-    if value == "":
-        return DEFAULT_TIMEOUT
     if value in ("none", "off"):
         return None
     try:
-        return _check_timeout(float(value))
+        return _check_timeout(float(value)) if value else DEFAULT_TIMEOUT
     except ValueError:
         raise ValueError(f"PYMPAR_TIMEOUT must be a number of seconds > 0, "
                          f"or 0 (never), not {value!r}") from None
@@ -106,13 +99,7 @@ _KEEP: Any = object()
 
 @contextlib.contextmanager
 def debug_mode(enabled: bool = True, timeout: float | None = _KEEP) -> Iterator[None]:
-    """Set debug mode (``enabled``) and, when given, the timeout inside a ``with`` block.
-
-    Examples
-    --------
-    >>> with debug_mode(timeout=30.0):
-    ...     pass
-    """
+    """Set debug mode (``enabled``) and, when given, the timeout inside a ``with`` block."""
     global _enabled, _timeout
     saved = (_enabled, _timeout)
     try:
@@ -143,27 +130,13 @@ _DETAIL = "\x1f"
 _REFUSED = "refused by this rank"
 
 
-def _ranks_in_words(group: Any, ranks: list[int]) -> str:
-    """``"rank 1 (global 5)"`` or ``"ranks 0, 2-3 (global 4, 6-7)"``."""
-    def spans(v: list[int]) -> str:  # [0, 2, 3] -> "0, 2-3"
-        starts = [i for i in range(len(v)) if i == 0 or v[i - 1] != v[i] - 1]
-        return ", ".join(str(v[a]) if a == b - 1 else f"{v[a]}-{v[b - 1]}"
-                         for a, b in zip(starts, starts[1:] + [len(v)]))
-
-    if len(ranks) == 1:
-        return where(group, ranks[0])
-    return f"ranks {spans(ranks)} (global {spans([group.ranks[r] for r in ranks])})"
-
-
 def report(group: Any, shown: str, hint: str = "") -> None:
-    """Raise :class:`CollectiveMismatchError` naming every rank's call ``shown`` (with, in
-    debug mode, where it was made); collective: every rank of ``group`` calls it once the
-    agreement check found that their calls differ, so every rank raises the same error.
+    """Raise :class:`CollectiveMismatchError` naming every rank's call ``shown`` (in debug mode
+    with where it was made): every rank of ``group`` calls it once their check failed, and
+    raises the same one-line error, each distinct call once with the ranks that made it.
 
-    The message is one line and the same on every rank: each distinct call once, with the
-    ranks that made it. ``shown`` may be ``subject + "\\x1f" + detail``: when every rank
-    names the same subject it is said once, followed by each rank's detail and ``hint``
-    (what must hold, alike on every rank).
+    ``shown`` may be ``subject + "\\x1f" + detail``: when every rank names the same subject it
+    is said once, then each rank's detail and ``hint`` (what must hold, alike on every rank).
     """
     if _enabled:
         shown = f"{shown} at {_call_site()}"
@@ -180,7 +153,7 @@ def report(group: Any, shown: str, hint: str = "") -> None:
     subjects = {call.partition(_DETAIL)[0] for call in ranks_of}
     same = len(subjects) == 1 and _DETAIL in calls[0]
     listing = "; ".join(
-        f"{_ranks_in_words(group, ranks)}: "
+        f"{where(group, *ranks)}: "
         f"{call.partition(_DETAIL)[2] if same else call.replace(_DETAIL, ' with ')}"
         for call, ranks in list(ranks_of.items())[:_SHOWN_RANKS])
     if len(ranks_of) > _SHOWN_RANKS:

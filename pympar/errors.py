@@ -40,31 +40,34 @@ class PeerEndedError(CollectiveTimeoutError):
     """A rank this one waits for in a collective has ended (returned, ``sys.exit``, error)."""
 
 
+def where(group: Any, *ranks: int) -> str:
+    """Ranks of ``group`` in words: ``"rank 1 (global 5)"``, ``"ranks 0, 2-3 (global 4, 6-7)"``."""
+    def spans(v: list[int]) -> str:  # [0, 2, 3] -> "0, 2-3"
+        starts = [i for i in range(len(v)) if i == 0 or v[i - 1] != v[i] - 1]
+        return ", ".join(str(v[a]) if a == b - 1 else f"{v[a]}-{v[b - 1]}"
+                         for a, b in zip(starts, starts[1:] + [len(v)]))
+
+    s = "s" if len(ranks) > 1 else ""
+    return f"rank{s} {spans(list(ranks))} (global {spans([group.ranks[r] for r in ranks])})"
+
+
 def ended_error(operation: str, group: Any, ranks: list[int]) -> PeerEndedError:
     """The error of ``operation`` on ``group`` whose group ranks ``ranks`` have ended."""
     return PeerEndedError(
-        f"{operation} on group {group.name!r}: {', '.join(where(group, r) for r in ranks)} "
-        f"ended the program (returned, sys.exit or an error) while {where(group, group.rank)} "
-        f"waits for it there")
-
-
-def where(group: Any, rank: int) -> str:
-    """Rank ``rank`` of ``group`` in words, with its global rank."""
-    return f"rank {rank} (global {group.ranks[rank]})"
+        f"{operation} on group {group.name!r}: {where(group, *ranks)} ended the program "
+        f"(returned, sys.exit or an error) while {where(group, group.rank)} waits for it there")
 
 
 def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Request | None,
                   missing: list[int] | None = None) -> CollectiveTimeoutError:
-    """The error of ``operation`` (in words) on ``group`` still pending after ``timeout``
-    seconds; ``request`` is the pending operation (None for the shared-memory check),
-    ``missing`` the group ranks that did not arrive (None: unknown, a message path)."""
-    who = (f"{', '.join(where(group, r) for r in missing)} did not arrive" if missing else
+    """The error of ``operation`` on ``group`` still pending after ``timeout`` s (``request``;
+    ``missing``: the group ranks that did not arrive, None when unknown)."""
+    who = (f"{where(group, *missing)} did not arrive" if missing else
            "another rank of the group has not reached it (a group across nodes cannot tell which)")
     error = CollectiveTimeoutError(
         f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
-        f"on {where(group, group.rank)} of {group.size}: {who} (it "
-        f"skipped the call, called a different collective, or is stuck); the group's "
-        f"communicator is no longer usable")
+        f"on {where(group, group.rank)} of {group.size}: {who} (it skipped the call, called "
+        f"a different collective, or is stuck); the group's communicator is no longer usable")
     error.request = request
     return error
 

@@ -18,11 +18,10 @@ class Group:
 
     Its collectives (:meth:`all_reduce`, :meth:`all_gather`, :meth:`reduce_scatter`,
     :meth:`all_to_all`, :meth:`broadcast`: :mod:`pympar.collectives`) take NumPy or CuPy
-    arrays; every member calls them in the same order with matching arguments, and "rank"
-    in their arguments (``root``, the order of ``sizes``) is :attr:`rank`. A group caches
-    plans and scratch buffers, so it is not thread-safe. Creating a group of more than one
-    rank is collective over ``comm``: members sharing a node map the small shared-memory
-    board of the agreement check, which :meth:`free` unmaps.
+    arrays; every member calls them in the same order with matching arguments, "rank" in
+    them (``root``, the order of ``sizes``) meaning :attr:`rank`. A group caches plans and
+    scratch buffers (not thread-safe); creating one of several ranks is collective over
+    ``comm`` (members on one node map the check's board, which :meth:`free` unmaps).
 
     Parameters
     ----------

@@ -15,17 +15,6 @@ from typing import Any, Callable, Union
 
 import numpy
 
-__all__ = [
-    "InitMethod",
-    "xavier_uniform",
-    "xavier_normal",
-    "kaiming_uniform",
-    "normal",
-    "uniform",
-    "zeros",
-    "get_init_method",
-]
-
 InitMethod = Callable[[numpy.random.Generator, numpy.ndarray, int, int], Any]
 """Signature of an init method: ``fn(rng, out, fan_in, fan_out) -> None``."""
 
@@ -116,6 +105,9 @@ _NAMED: dict[str, Callable[[], InitMethod]] = {
     "uniform": uniform,
     "zeros": zeros,
 }
+
+# The factories are exported under the names init_method strings give them.
+__all__ = ["InitMethod", *_NAMED, "get_init_method"]
 
 
 def get_init_method(init_method: Union[str, InitMethod]) -> InitMethod:
