@@ -327,6 +327,30 @@ def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
 
 
 @pytest.mark.skipif(P == 1, reason="needs two ranks")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_known_arrays_that_differ_between_ranks(mesh, layout):
+    """Two shapes every rank has exchanged before, one on rank 0 and the other elsewhere:
+    every rank raises (the receives posted before the check are cancelled), and the next
+    exchange is right."""
+    d = Decomposition((16, 24), split(mesh, layout), True)
+    halo = HaloExchange(d, 1)
+    full = field((2, 16, 24), seed=4)
+    want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
+    pads = {n: halo.empty((n,)) for n in (1, 2)}
+    for n, pad in pads.items():
+        halo.inner(pad)[...] = d.take(full[:n])
+        assert_equal(halo.exchange(pad), want[:n], f"exchange of {n} channels")
+    for _ in range(2):
+        raises_everywhere(CollectiveMismatchError, "HaloExchange.exchange", halo.exchange,
+                          pads[1] if WORLD.rank == 0 else pads[2])
+    for n, pad in pads.items():
+        pad[...] = 0
+        halo.inner(pad)[...] = d.take(full[:n])
+        assert_equal(halo.exchange(pad), want[:n], f"exchange of {n} channels after")
+    halo.free()
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
 def test_a_bad_width_or_shape_on_one_rank_only(mesh):
     """Refused by rank 0 alone: the others, already in the agreement, raise too."""
     d = Decomposition((8, 8), split(mesh, "grid"))
