@@ -28,8 +28,10 @@ Every call first makes one agreement check per split axis's group
 so ranks that call differently, or a rank whose array does not fit, raise
 :class:`~pympar.debug.CollectiveMismatchError` on every rank instead of exchanging faces of
 another size. A repeated call (a known shape) costs one dictionary lookup and the check of
-a signature hashed once per plan and label: about 1.5 us, against 5-6 us when the key was
-hashed on every call.
+a signature hashed once per plan and label (about 1.5 us, against 5-6 us when the key was
+hashed on every call); on the same padded array object with subarray faces the exchange
+itself is then only ``Startall`` + ``Waitall`` per axis (no ``ndarray.ctypes``, ~2 us, to
+learn the array's address, and nothing else in Python while statistics are off).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from ._plans import signature
 from .decomposition import Decomposition, agree_all, check_all
 
 __all__ = ["HaloExchange"]
+
+_startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
 
 def _account(ax: Axis, operation: str, start: float) -> None:
     """Record one axis's messages with the statistics recorders (a local copy sends none)."""
@@ -291,6 +295,11 @@ class HaloExchange:
 
     def _exchange(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
+        if plan.direct and not recording:  # the hot path: nothing but MPI
+            for started in plan.requests(padded):
+                _startall(started)
+                _waitall(started)
+            return
         requests = iter(plan.requests(padded) if plan.subarrays else ())
         for ax in plan.axes:
             start = time.perf_counter() if recording else 0.0

@@ -157,6 +157,34 @@ def test_other_dtypes(mesh, dtype):
                                  halo.widths), "forward")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_persistent_requests_follow_the_array(mesh, layout):
+    """Alternating padded arrays, a view of one (another object, the same memory) and one
+    at a freed array's address: each exchange fills the ghosts of the array it was given."""
+    d = Decomposition((16, 24), split(mesh, layout), (True, True))
+    halo = HaloExchange(d, 1)
+    fields = [field((16, 24), seed=s) for s in (1, 2)]
+    expected = [my_padded_block(padded_reference(f, halo.widths, d.periodic), d, halo.widths)
+                for f in fields]
+    pads = [halo.empty(), halo.empty()]
+    for _ in range(2):
+        for pad, f, want in zip(pads, fields, expected):
+            pad[...] = 0
+            halo.inner(pad)[...] = d.take(f)
+            assert_equal(halo.exchange(pad), want, "exchange of alternating arrays")
+    view = pads[0].view()
+    view[...] = 0
+    halo.inner(view)[...] = d.take(fields[1])
+    halo.exchange(view)
+    assert_equal(pads[0], expected[1], "exchange of a view")
+    for _ in range(2):  # a new array, perhaps where the last one lived
+        pads = view = None
+        pad = halo.empty()
+        halo.inner(pad)[...] = d.take(fields[0])
+        assert_equal(halo.exchange(pad), expected[0], "exchange of a new array")
+    halo.free()
+
+
 def test_unsplit_periodic_axis_wraps_locally(mesh):
     """Along an axis nobody shares, a periodic halo is the block's own opposite face."""
     d = Decomposition((6, 8), {0: mesh["xy"]}, (False, True))
@@ -296,6 +324,30 @@ def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
         assert_equal(halo.forward(d.take(full)), want, f"forward, call {call}")
         expected = sum(g.size > 1 for g in d.split_groups())
         agree(len(made) == expected, f"call {call}: {len(made)} checks, expected {expected}")
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_known_arrays_that_differ_between_ranks(mesh, layout):
+    """Two shapes every rank has exchanged before, one on rank 0 and the other elsewhere:
+    every rank raises (the receives posted before the check are cancelled), and the next
+    exchange is right."""
+    d = Decomposition((16, 24), split(mesh, layout), True)
+    halo = HaloExchange(d, 1)
+    full = field((2, 16, 24), seed=4)
+    want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
+    pads = {n: halo.empty((n,)) for n in (1, 2)}
+    for n, pad in pads.items():
+        halo.inner(pad)[...] = d.take(full[:n])
+        assert_equal(halo.exchange(pad), want[:n], f"exchange of {n} channels")
+    for _ in range(2):
+        raises_everywhere(CollectiveMismatchError, "HaloExchange.exchange", halo.exchange,
+                          pads[1] if WORLD.rank == 0 else pads[2])
+    for n, pad in pads.items():
+        pad[...] = 0
+        halo.inner(pad)[...] = d.take(full[:n])
+        assert_equal(halo.exchange(pad), want[:n], f"exchange of {n} channels after")
+    halo.free()
 
 
 @pytest.mark.skipif(P == 1, reason="needs two ranks")
