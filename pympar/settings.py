@@ -45,6 +45,7 @@ def settings() -> dict[str, list[str]]:
 #: Seconds a rank whose exchange timed out waits for word from the others that wait too.
 ROLL_CALL_SECONDS = 2.0
 _ROLL_CALL_TAG = 24301  # below 32767, the least MPI_TAG_UB the standard allows
+_TOKEN = np.zeros(1, np.uint8)  # lives as long as the sends freed before they complete
 
 
 def _roll_call(comm: MPI.Comm, seconds: float = ROLL_CALL_SECONDS) -> list[int]:
@@ -57,8 +58,8 @@ def _roll_call(comm: MPI.Comm, seconds: float = ROLL_CALL_SECONDS) -> list[int]:
     size, me = comm.Get_size(), comm.Get_rank()
     token, status = np.zeros(1, np.uint8), MPI.Status()
     for rank in range(size):
-        if rank != me:
-            comm.Isend(token, dest=rank, tag=_ROLL_CALL_TAG)  # left pending: the job ends
+        if rank != me:  # freed at once: MPI completes the send, or the job ends first
+            comm.Isend(_TOKEN, dest=rank, tag=_ROLL_CALL_TAG).Free()
     heard, deadline = {me}, time.monotonic() + seconds
     while len(heard) < size and time.monotonic() < deadline:
         if comm.Iprobe(MPI.ANY_SOURCE, _ROLL_CALL_TAG, status):
