@@ -11,13 +11,15 @@ only when its bytes change.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+sys.path.insert(0, HERE)
+
+from draw_layouts import save_png  # noqa: E402
 from pympar.partition import block_slice  # noqa: E402
 
 DEFAULT_OUTDIR = os.path.join(os.path.dirname(HERE), "docs", "_static")
@@ -81,16 +83,7 @@ def draw_slab_transpose(path: str) -> bool:
            "the all-to-all moves only those", kept=2)
     axes[0].text(-0.3, N0 - 0.5, "x0", fontsize=7.5, ha="right", va="center")
     axes[0].text(0.5, -0.3, "x1", fontsize=7.5, ha="center", va="top")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    data = buffer.getvalue()
-    if os.path.exists(path) and open(path, "rb").read() == data:
-        return False
-    with open(path, "wb") as f:
-        f.write(data)
-    return True
+    return save_png(fig, path, dpi=None)
 
 
 def main(outdir: str = DEFAULT_OUTDIR) -> list[str]:

@@ -12,7 +12,6 @@ the PNG is rewritten only when its bytes change.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from typing import Sequence
@@ -22,6 +21,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+sys.path.insert(0, HERE)
+
+from draw_layouts import pyplot, save_png  # noqa: E402
 from pympar.partition import balanced_sizes  # noqa: E402
 
 DEFAULT_OUTDIR = os.path.join(os.path.dirname(HERE), "docs", "_static")
@@ -63,25 +65,6 @@ def padded_owners(shape: Sequence[int], parts: Sequence[int], coords: Sequence[i
     return out
 
 
-def _save(fig, path: str) -> bool:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, metadata={"Software": None})
-    plt.close(fig)
-    data = buffer.getvalue()
-    try:
-        with open(path, "rb") as old:
-            if old.read() == data:
-                return False
-    except OSError:
-        pass
-    with open(path, "wb") as out:
-        out.write(data)
-    return True
-
-
 def _cells(ax, labels: np.ndarray, origin: tuple[int, int], alpha: np.ndarray) -> None:
     from matplotlib.patches import Rectangle
 
@@ -112,12 +95,9 @@ def _padded_panel(ax, coords: tuple[int, int], title: str) -> tuple[int, int]:
 
 def draw(path: str) -> bool:
     """Draw the field's blocks and two padded blocks with their ghosts' owners."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    plt.rcParams.update({"font.size": 9})
+    plt = pyplot()
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(11.5, 4.8),
                                               gridspec_kw={"width_ratios": [1.0, 0.9, 0.9]})
     field = owners(SHAPE, PARTS)
@@ -151,7 +131,7 @@ def draw(path: str) -> bool:
         ax.set_ylim(-max(rows, 11) - 1.2, 1.0)
         ax.set_aspect("equal")
         ax.axis("off")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def main(outdir: str = DEFAULT_OUTDIR) -> list[str]:

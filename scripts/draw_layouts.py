@@ -108,7 +108,8 @@ def split_blocks(n: int, parts: int) -> list[range]:
 
 # --------------------------------------------------------------------------- drawing
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, with the pictures' font size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,13 +117,15 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str) -> bool:
-    """Lay out and close ``fig``; write it as PNG unless ``path`` already holds these bytes."""
+def save_png(fig, path: str, dpi: float | None = 90) -> bool:
+    """Lay out and close ``fig``; write it as PNG (at ``dpi``; None: the figure's own)
+    unless ``path`` already holds these bytes. No software tag: the bytes depend only on
+    the picture, so an unchanged picture leaves its file alone."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, metadata={"Software": None})
+    fig.savefig(buffer, format="png", dpi=dpi or fig.dpi, metadata={"Software": None})
     plt.close(fig)
     data = buffer.getvalue()
     try:
@@ -139,7 +142,7 @@ def _save(fig, path: str) -> bool:
 def draw_grid(path: str, tp: int = 2, cp: int = 2, dp: int = 2,
               order: str = "tp-cp-dp") -> bool:
     """Draw the ranks of a DP x CP x TP layout, one panel per kind of group."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import FancyBboxPatch
 
     layout = grid_layout(tp, cp, dp, order)
@@ -174,7 +177,7 @@ def draw_grid(path: str, tp: int = 2, cp: int = 2, dp: int = 2,
     fig.suptitle(f"{tp * cp * dp} ranks, tp={tp} cp={cp} dp={dp}, order \"{order}\": "
                  f"global rank = {rank_formula(order)}; (tp, cp, dp) under each rank",
                  fontsize=10)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _project(i: float, j: float, k: float) -> tuple[float, float]:
@@ -184,7 +187,7 @@ def _project(i: float, j: float, k: float) -> tuple[float, float]:
 
 def draw_cube(path: str, depth: int = 2) -> bool:
     """Draw one 3D tensor-parallel cube and its five kinds of groups."""
-    plt = _pyplot()
+    plt = pyplot()
     layout = cube_layout(depth)
     coords = layout["coords"]
     titles = {
@@ -236,7 +239,7 @@ def draw_cube(path: str, depth: int = 2) -> bool:
         ax.axis("off")
     fig.suptitle(f"3D tensor parallelism, depth d={depth} ({depth ** 3} ranks): "
                  "rank = i + d*(j + d*k)", fontsize=10)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _draw_cells(ax, x0: float, y0: float, rows: range, cols: range, owner, label: str,
@@ -255,7 +258,7 @@ def _draw_cells(ax, x0: float, y0: float, rows: range, cols: range, owner, label
 
 def draw_mappings(path: str, seq: int = 5, hidden: int = 4, ranks: int = 2) -> bool:
     """Draw how an array [S, H] is split on the hidden and sequence axes, and Ulysses."""
-    plt = _pyplot()
+    plt = pyplot()
     rows_of = split_blocks(seq, ranks)
     cols_of = split_blocks(hidden, ranks)
     colours = PALETTE[:ranks]
@@ -312,7 +315,7 @@ def draw_mappings(path: str, seq: int = 5, hidden: int = 4, ranks: int = 2) -> b
                  f"({legend} in order): the rank that holds the block, or in the all-to-all "
                  "the rank that sent it. Each arrow is the forward of the mapping named on it.",
                  fontsize=8.5, wrap=True)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def query_owners(seq: int, ranks: int, layout: str) -> list[int]:
@@ -334,7 +337,7 @@ def causal_work(seq: int, ranks: int, layout: str) -> list[int]:
 
 def draw_ring(path: str, ranks: int = 4, seq: int = 16) -> bool:
     """Draw the ring schedule and the causal work per rank in contiguous and zig-zag order."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     fig, axes = plt.subplots(1, 3, figsize=(12.0, 4.2),
@@ -382,7 +385,7 @@ def draw_ring(path: str, ranks: int = 4, seq: int = 16) -> bool:
                      f"{causal_work(seq, ranks, layout)}", fontsize=8.5)
     axes[0].text(ranks * 0.8 - 0.5, -0.25, "colours: rank 0 orange, 1 sky blue, 2 green, "
                  "3 yellow", ha="center", va="top", fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 PICTURES = {
