@@ -23,8 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import collectives, debug
-from ._comm_state import freed_error
+from . import _agreement, collectives, debug
 from .group import Group
 from .partition import balanced_sizes, block_slice
 
@@ -81,20 +80,16 @@ def agree_all(groups: Sequence[Group], key: tuple, shown: str,
 
 
 def check_all(groups: Sequence[Group], sig: int, shown: str, name: str | None) -> None:
-    """:func:`agree_all` of a key whose signature ``sig`` (:func:`pympar._plans.signature`) is known (a repeated call:
-    no hashing), every group of more than one rank. A failure spreads as in :func:`agree_all`.
+    """:func:`agree_all` of a key whose signature ``sig`` (:func:`pympar._plans.signature`)
+    is known (a repeated call: no hashing), every group of more than one rank: the one
+    check of each group (:func:`pympar._agreement.check`), a failure spreading as in
+    :func:`agree_all`.
     """
     for at, group in enumerate(groups):
-        board = group._state.board
-        if board is None:
-            raise freed_error(shown, group)
-        if board.agree(sig, group, shown, debug._timeout):
-            continue
         try:
-            debug.report(group, f"{shown} in {name}" if name else shown)
+            _agreement.check(group, sig, shown, name)
         except debug.CollectiveMismatchError as err:
             agree_all(groups[at + 1:], (), shown, err)
-        raise AssertionError("unreachable: debug.report raises")  # pragma: no cover
 
 
 def _periodic(periodic: Any, ndim: int) -> tuple[bool, ...]:
