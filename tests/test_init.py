@@ -12,11 +12,12 @@ from pympar import manager
 from pympar.modules import (
     Linear,
     bias_init,
-    init_weight_block,
+    init_shard,
     initialize_affine_weight,
     normal,
     xavier_uniform,
 )
+from pympar.partition import Placement, Split
 from layer_helpers import owned
 
 
@@ -88,11 +89,14 @@ def test_bias_init_shards_and_bounds():
         assert rebuilt.tobytes() == full.tobytes()
 
 
-def test_init_weight_block_matches_both_axes_sharded():
+def test_a_block_split_on_both_axes_is_the_serial_weight_cut_alike():
     full = initialize_affine_weight((9, 10), 1, 0, "xavier_uniform", np.float64, rank=0, seed=2)
-    block = init_weight_block((9, 10), [slice(3, 6)], [slice(0, 2), slice(7, 10)],
-                              "xavier_uniform", np.float64, seed=2)
-    assert np.array_equal(block, full[3:6][:, [0, 1, 7, 8, 9]])
+    placement = Placement((9, 10), (Split(0, 3, 1), Split(1, 2, 0, stride=2)))
+    rows, cols = placement.axis_ranges
+    block = init_shard(placement, "xavier_uniform", np.float64, seed=2)
+    expected = np.concatenate([full[rows[0]][:, c] for c in cols], axis=1)
+    assert block.shape == placement.local_shape == (3, 6)
+    assert np.array_equal(block, expected)
 
 
 def test_fans_come_from_the_full_shape():

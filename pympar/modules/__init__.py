@@ -12,7 +12,6 @@ from .init_methods import (
     xavier_uniform,
     zeros,
 )
-from .philox import init_weight_block
 from .sharded_init import bias_init, init_bias, init_shard, initialize_affine_weight
 from .linear import Linear
 from .activations import GELU, Dropout, ReLU
@@ -61,7 +60,6 @@ __all__ = [
     "MSELoss",
     "InitMethod",
     "initialize_affine_weight",
-    "init_weight_block",
     "bias_init",
     "init_shard",
     "init_bias",

@@ -18,7 +18,7 @@ import numpy
 from ..backend import check_dtype
 from .init_methods import InitMethod, get_init_method
 
-__all__ = ["WEIGHT_STREAM", "BIAS_STREAM", "DROPOUT_STREAM", "row_generator", "init_weight_block"]
+__all__ = ["WEIGHT_STREAM", "BIAS_STREAM", "DROPOUT_STREAM", "row_generator", "weight_block"]
 
 #: Counter word 3 of the weight stream; separates independent uses of one seed.
 WEIGHT_STREAM = 0
@@ -64,43 +64,16 @@ def row_generator(seed: int, stream: int) -> tuple[numpy.random.Generator, Calla
     return rng, seek
 
 
-def init_weight_block(
-    init_shape: tuple[int, int],
-    rows: Sequence[slice],
-    cols: Sequence[slice],
-    init_method: Union[str, InitMethod] = "xavier_uniform",
-    dtype: Any = numpy.float32,
-    *,
-    seed: int = 0,
-    xp: ModuleType | None = None,
-    stream: int = WEIGHT_STREAM,
-) -> Any:
-    """Materialize the block ``W[rows][:, cols]`` of a logical weight without building ``W``.
+def weight_block(init_shape: tuple[int, int], rows: Sequence[slice], cols: Sequence[slice],
+                 init_method: Union[str, InitMethod], dtype: Any, seed: int,
+                 xp: ModuleType | None, stream: int) -> Any:
+    """The block ``W[rows][:, cols]`` of a logical weight, without building ``W``.
 
-    Rows are generated one at a time (full rows: a row's random stream cannot skip columns),
-    so extra memory is one float64 row.
-
-    Parameters
-    ----------
-    init_shape : (int, int)
-        Logical ``(out_features, in_features)``; fans come from it.
-    rows, cols : sequence of slice
-        Ranges (step 1) of rows and columns to keep, concatenated in the given order (e.g.
-        a :class:`~pympar.partition.Placement`'s ``axis_ranges``).
-    init_method : str or InitMethod
-        See :mod:`pympar.modules.init_methods`.
-    dtype : dtype
-        Result dtype; values are generated in float64 and cast once.
-    seed : int
-        Philox key, ``0 <= seed < 2**64``.
-    xp : module, optional
-        ``numpy`` (default) or ``cupy``; a CuPy result is generated on the host and copied once.
-    stream : int
-        Counter word separating independent uses of the same seed.
-
-    Returns
-    -------
-    array of shape (sum of row-range lengths, sum of column-range lengths)
+    The generator behind :func:`~pympar.modules.init_shard` (which documents the arguments;
+    ``rows`` and ``cols`` are a :class:`~pympar.partition.Placement`'s ``axis_ranges``).
+    Rows are generated one at a time (full rows: a row's random stream cannot skip
+    columns), so extra memory is one float64 row. A CuPy result is generated on the host
+    and copied once.
     """
     fn = get_init_method(init_method)
     n_out, n_in = (int(d) for d in init_shape)
@@ -129,5 +102,5 @@ def init_weight_block(
             local += 1
     if xp is None or xp is numpy:
         return result
-    check_dtype(xp, result.dtype, "init_weight_block")
+    check_dtype(xp, result.dtype, "init_shard")
     return xp.asarray(result)

@@ -19,7 +19,7 @@ from .. import manager
 from ..backend import check_dtype
 from ..partition import Placement, Split
 from .init_methods import InitMethod, uniform
-from .philox import BIAS_STREAM, WEIGHT_STREAM, init_weight_block
+from .philox import BIAS_STREAM, WEIGHT_STREAM, weight_block
 
 __all__ = ["init_shard", "init_bias", "initialize_affine_weight", "bias_init"]
 
@@ -57,11 +57,11 @@ def init_shard(
     """
     ranges = placement.axis_ranges
     if len(placement.shape) == 2:
-        return init_weight_block(placement.shape, ranges[0], ranges[1], init_method, dtype,
-                                 seed=seed, xp=xp, stream=stream)
+        return weight_block(placement.shape, ranges[0], ranges[1], init_method, dtype, seed, xp,
+                            stream)
     if len(placement.shape) == 1:
-        return init_weight_block((1, placement.shape[0]), [slice(0, 1)], ranges[0], init_method,
-                                 dtype, seed=seed, xp=xp, stream=stream)[0]
+        return weight_block((1, placement.shape[0]), [slice(0, 1)], ranges[0], init_method,
+                            dtype, seed, xp, stream)[0]
     raise ValueError(f"init_shard: only 1-D and 2-D parameters, got shape {placement.shape}")
 
 
