@@ -11,10 +11,12 @@ split over all ranks (contiguous faces), ``last``: the last axis split over all 
 more) -- one exchange of the ghosts of width ``--width`` is timed, in interleaved rounds
 (median of the slowest rank's time), as:
 
-* ``pympar``: ``HaloExchange.exchange`` (subarray datatypes; the agreement check included);
+* ``pympar``: ``HaloExchange.exchange`` (a contiguous face as a plain buffer, others as
+  subarray datatypes; the agreement check included);
 * ``pympar_packed``: the same with ``faces="packed"`` (faces copied into reused buffers);
-* ``raw_sendrecv``: the anchor, plain mpi4py: committed subarray datatypes, two
-  ``Sendrecv`` per split axis on the same communicators, axis after axis;
+* ``raw_sendrecv``: the anchor, plain mpi4py: two ``Sendrecv`` per split axis on the same
+  communicators, axis after axis, of each face as a slice of the array where it is one
+  contiguous run of it, else as a committed subarray datatype (as ``pympar`` sends them);
 * ``raw_neighbor``: plain mpi4py with one ``Neighbor_alltoallw`` per split axis on a
   periodic 1-D Cartesian communicator (the neighbourhood collective);
 * ``pympar_adjoint``: ``HaloExchange.adjoint`` (sends the ghosts back and adds them).
@@ -48,8 +50,9 @@ VARIANTS = ("pympar", "pympar_packed", "raw_sendrecv", "raw_neighbor", "pympar_a
 
 
 def raw_faces(comm: MPI.Comm, local: tuple[int, ...], padded: tuple[int, ...], axis: int,
-              width: int) -> dict[str, MPI.Datatype]:
-    """The four committed subarray types of one axis's exchange, written out plainly."""
+              width: int) -> dict[str, tuple[MPI.Datatype, tuple[slice, ...]]]:
+    """The four faces of one axis's exchange, written out plainly: each as a committed
+    subarray type and as the index of the same cells."""
     sizes, starts = [], []
     for b, (n, m) in enumerate(zip(local, padded)):
         sizes.append(m if b < axis else n)
@@ -60,8 +63,17 @@ def raw_faces(comm: MPI.Comm, local: tuple[int, ...], padded: tuple[int, ...], a
                         ("send_down", width)):
         sub, at = list(sizes), list(starts)
         sub[axis], at[axis] = width, start
-        out[name] = MPI.DOUBLE.Create_subarray(list(padded), sub, at).Commit()
+        out[name] = (MPI.DOUBLE.Create_subarray(list(padded), sub, at).Commit(),
+                     tuple(slice(a, a + k) for a, k in zip(at, sub)))
     return out
+
+
+def raw_messages(buf: np.ndarray, faces: dict[str, tuple[MPI.Datatype, tuple]]) -> dict:
+    """Each face of ``buf`` as plain mpi4py code sends it: the slice of ``buf`` where the
+    face is one contiguous run of it (a plain buffer, which MPICH moves 4-5 us sooner than
+    the same bytes as a datatype), else ``[buf, 1, subarray type]``."""
+    return {name: buf[index] if buf[index].flags.c_contiguous else [buf, 1, t]
+            for name, (t, index) in faces.items()}
 
 
 def raw_exchanges(split: list[tuple[int, MPI.Comm]], local: tuple[int, ...], width: int,
@@ -70,26 +82,28 @@ def raw_exchanges(split: list[tuple[int, MPI.Comm]], local: tuple[int, ...], wid
     padded = buf.shape
     plans, carts = [], []
     for axis, comm in split:
-        types = raw_faces(comm, local, padded, axis, width)
+        faces = raw_faces(comm, local, padded, axis, width)
+        types = {name: t for name, (t, _) in faces.items()}
         rank, size = comm.Get_rank(), comm.Get_size()
         cart = comm.Create_cart([size], periods=[True], reorder=False)
         carts.append(cart)
-        plans.append((comm, cart, (rank - 1) % size, (rank + 1) % size, types))
+        plans.append((comm, cart, (rank - 1) % size, (rank + 1) % size, types,
+                      raw_messages(buf, faces)))
 
     def sendrecv() -> None:
-        for comm, _, lower, upper, t in plans:
-            comm.Sendrecv([buf, 1, t["send_up"]], upper, 1, [buf, 1, t["recv_lo"]], lower, 1)
-            comm.Sendrecv([buf, 1, t["send_down"]], lower, 2, [buf, 1, t["recv_hi"]], upper, 2)
+        for comm, _, lower, upper, _, m in plans:
+            comm.Sendrecv(m["send_up"], upper, 1, m["recv_lo"], lower, 1)
+            comm.Sendrecv(m["send_down"], lower, 2, m["recv_hi"], upper, 2)
 
     ones, zeros = [1, 1], [0, 0]
 
     def neighbor() -> None:
-        for _, cart, _, _, t in plans:  # neighbours of a 1-D cart: lower, then upper
+        for _, cart, _, _, t, _ in plans:  # neighbours of a 1-D cart: lower, then upper
             cart.Neighbor_alltoallw([buf, (ones, zeros), [t["send_down"], t["send_up"]]],
                                     [buf, (ones, zeros), [t["recv_lo"], t["recv_hi"]]])
 
     def free() -> None:
-        for _, cart, _, _, t in plans:
+        for _, cart, _, _, t, _ in plans:
             for d in t.values():
                 d.Free()
             cart.Free()

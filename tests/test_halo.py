@@ -15,6 +15,7 @@ from mpi4py import MPI
 from layer_helpers import XPS, block, get_xp
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
 from pympar import Mesh, stats
+from pympar.collectives import label
 from pympar.debug import CollectiveMismatchError
 from pympar.decomposition import Decomposition
 from pympar.halo import HaloExchange
@@ -347,6 +348,33 @@ def test_known_arrays_that_differ_between_ranks(mesh, layout):
         pad[...] = 0
         halo.inner(pad)[...] = d.take(full[:n])
         assert_equal(halo.exchange(pad), want[:n], f"exchange of {n} channels after")
+    halo.free()
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_the_previous_array_again_is_checked_as_it_is_now(mesh):
+    """The repeated array takes the shortest path only while its shape, its direction and
+    the label around the call are those of the call before: a leading axis reshaped in
+    place exchanges right, and a label that differs on one rank raises on every rank."""
+    d = Decomposition((16, 24), split(mesh, "grid"), True)
+    halo = HaloExchange(d, 1)
+    full = field((4, 16, 24), seed=6)
+    want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
+    pad = halo.empty((4,))
+    for _ in range(2):
+        pad[...] = 0
+        halo.inner(pad)[...] = d.take(full)
+        assert_equal(halo.exchange(pad), want, "exchange of 4 channels")
+    pad.shape = (2, 2, *halo.padded_shape)
+    pad[...] = 0
+    halo.inner(pad)[...] = d.take(full).reshape(pad[..., 1:-1, 1:-1].shape)
+    assert_equal(halo.exchange(pad), want.reshape(pad.shape), "exchange of 2 x 2 channels")
+    with label("steps"):
+        halo.exchange(pad)
+    for _ in range(2):
+        with label("steps" if WORLD.rank == 0 else "others"):
+            raises_everywhere(CollectiveMismatchError, "HaloExchange.exchange",
+                              halo.exchange, pad)
     halo.free()
 
 
