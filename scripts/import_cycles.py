@@ -1,6 +1,6 @@
 """Import cycles among a package's modules, from the AST (every import, lazy ones too).
 
-    python scripts/import_cycles.py pympar
+    python scripts/import_cycles.py pympar   # exits 1 when it finds a cycle
 """
 import ast, os, sys
 root = sys.argv[1] if len(sys.argv) > 1 else "pympar"
@@ -59,3 +59,4 @@ for m in edges:
 for v in edges:
     if v not in idx: strong(v)
 print("cycles (strongly connected sets, package __init__ re-exports left out):", sccs or "none")
+sys.exit(1 if pairs or sccs else 0)
