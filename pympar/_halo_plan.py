@@ -126,11 +126,13 @@ class Plan:
         self.types: dict[tuple[int, str], MPI.Datatype] = {}
         self.buffers: dict[Any, Any] = {}
         self.signatures: dict[str | None, int] = {}  # the agreement key's, per label
-        self._requests: list[list[MPI.Prequest]] = []
+        # The persistent requests per axis (see requests()) and the array they were made on
+        # (they hold it anyway).
+        self.persistent: list[list[MPI.Prequest]] = []
         self._requests_at: int | None = None
-        self._requests_on: Any = None  # the array they were made on (they hold it anyway)
+        self.requests_on: Any = None
         # Requests left when the plan goes (or at exit, before MPI finalizes) are freed then.
-        weakref.finalize(self, _free_requests, self._requests)
+        weakref.finalize(self, _free_requests, self.persistent)
         self.xp = backend.array_module(x)
         self.lead_shape = shape[:lead]
         for ax in self.axes:  # bytes sent and received along the axis, for statistics
@@ -156,24 +158,24 @@ class Plan:
         ``padded`` (both receives, then both sends): made once per array address, so a
         reused padded array starts them again without building any message (2-3 us less
         per axis than two ``Sendrecv``, on MPICH)."""
-        if padded is self._requests_on:  # the same array object: the same memory
-            return self._requests
+        if padded is self.requests_on:  # the same array object: the same memory
+            return self.persistent
         at = padded.ctypes.data  # ~2 us: only for an array not seen last
         if self._requests_at != at:
             self.free_requests()
-            self._requests.extend(
+            self.persistent.extend(
                 [req for send, dest, tag, recv, source in ax.pairs
                  for req in (ax.comm.Recv_init(_message(padded, recv), source, tag),
                              ax.comm.Send_init(_message(padded, send), dest, tag))]
                 for ax in self.axes if ax.pairs)
             self._requests_at = at
-        self._requests_on = padded
-        return self._requests
+        self.requests_on = padded
+        return self.persistent
 
     def free_requests(self) -> None:
         """Free the persistent requests (they hold the last array they were made on)."""
-        _free_requests(self._requests)
-        self._requests_at = self._requests_on = None
+        _free_requests(self.persistent)
+        self._requests_at = self.requests_on = None
 
     def _face(self, ax: Axis, name: str) -> Index | MPI.Datatype:
         """Region ``name`` of ``ax`` as a persistent request takes it: the index of a

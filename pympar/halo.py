@@ -113,6 +113,7 @@ class HaloExchange:
         d = decomposition
         self.decomposition, self.faces = d, faces
         self._groups = d.split_groups()
+        self._one_group = self._groups[0] if len(self._groups) == 1 else None
         error = None if faces in ("subarray", "packed") else ValueError(
             f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
         try:
@@ -219,6 +220,23 @@ class HaloExchange:
         The ghosts where a non-periodic field ends are not touched (boundary values are
         the caller's).
         """
+        last = self._last
+        if (last is not None and last[0] is padded and last[1] == "exchange"
+                and last[2] == _agreement.within(None) and not stats.is_recording()):
+            plan = last[3]
+            if (plan.direct and plan.requests_on is padded and padded.shape == plan.shape
+                    and padded.dtype is plan.dtype):
+                # The array of the previous exchange again, as it was (see _plan): its
+                # check, then its requests, and no other Python (each call here costs
+                # about 0.3 us of a 20 us exchange of small faces, 1.5% of it).
+                if self._one_group is not None:
+                    _agreement.check(self._one_group, last[4], plan.shown, last[2])
+                else:
+                    check_all(self._groups, last[4], plan.shown, last[2])
+                for started in plan.persistent:
+                    _startall(started)
+                    _waitall(started)
+                return padded
         self._exchange(self._plan(padded, "exchange"), padded)
         return padded
 
