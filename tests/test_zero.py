@@ -69,8 +69,9 @@ def train(sharded, dp, steps=STEPS, model=None, opt=None, xp=np, start=0):
     for step in range(start, start + steps):
         x, target = data(step, xp)
         opt.zero_grad()
-        # Mean over the local rows: averaging over DP (even split) gives the global mean.
-        local = model.step(x[rows], target[rows], (rows.stop - rows.start) * FEATURES)
+        # Each rank's sum over the full batch's count / dp.size: averaging the gradients
+        # over DP then gives the full-batch mean's, for uneven splits (5 ranks) too.
+        local = model.step(x[rows], target[rows], BATCH * FEATURES / dp.size)
         losses.append(float(dp.all_reduce(np.array([local]))[0]))
         if not sharded:
             allreduce_gradients(model.params, dp)
