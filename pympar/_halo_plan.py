@@ -76,10 +76,15 @@ def _free_requests(requests: list[list[MPI.Prequest]]) -> None:
     requests.clear()
 
 
+def _sizes(region: Index, shape: tuple[int, ...]) -> list[int]:
+    """The extents of ``region`` (slices of step 1) in an array of ``shape``."""
+    return [len(range(*s.indices(n))) for s, n in zip(region, shape)]
+
+
 def _contiguous(region: Index, shape: tuple[int, ...]) -> bool:
-    """Whether ``region`` (slices of step 1) is one contiguous run of a C-ordered array of
-    ``shape``: single cells along the axes before one, whole axes after it."""
-    sizes = [len(range(*s.indices(n))) for s, n in zip(region, shape)]
+    """Whether ``region`` is one contiguous run of a C-ordered array of ``shape``: single
+    cells along the axes before one, whole axes after it."""
+    sizes = _sizes(region, shape)
     first = next((a for a, n in enumerate(sizes) if n != 1), len(sizes))
     return sizes[first + 1:] == list(shape[first + 1:])
 
@@ -93,7 +98,7 @@ def _message(padded: Any, face: Index | MPI.Datatype) -> Any:
 
 def _count(region: Index, shape: tuple[int, ...]) -> int:
     """The number of cells of ``region`` in an array of ``shape``."""
-    return int(np.prod([len(range(*s.indices(n))) for s, n in zip(region, shape)]))
+    return int(np.prod(_sizes(region, shape)))
 
 
 class Plan:
@@ -200,9 +205,8 @@ class Plan:
         """A reused contiguous array shaped as region ``name`` of ``ax`` (one per region)."""
         buf = self.buffers.get((ax.axis, name))
         if buf is None:
-            shape = [s.indices(n)[1] - s.indices(n)[0] for s, n in zip(getattr(ax, name),
-                                                                          self.shape)]
-            buf = self.buffers[ax.axis, name] = self.xp.empty(shape, self.dtype)
+            buf = self.buffers[ax.axis, name] = self.xp.empty(
+                _sizes(getattr(ax, name), self.shape), self.dtype)
         return buf
 
     def free(self) -> None:
