@@ -113,6 +113,7 @@ class HaloExchange:
         d = decomposition
         self.decomposition, self.faces = d, faces
         self._groups = d.split_groups()
+        self._one_group = self._groups[0] if len(self._groups) == 1 else None
         error = None if faces in ("subarray", "packed") else ValueError(
             f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
         try:
@@ -228,7 +229,12 @@ class HaloExchange:
                 # The array of the previous exchange again, as it was (see _plan): its
                 # check, then its requests, and no other Python (the calls of _plan and
                 # _exchange cost 1-1.5 us of a 20 us exchange of small faces).
-                check_all(self._groups, last[4], plan.shown, last[2])
+                # One group: its check directly (check_all's frame cost 0.02-0.08 of the
+                # ratio to raw Sendrecv at 16-64 KiB faces, interleaved runs on 2 ranks).
+                if self._one_group is not None:
+                    _agreement.check(self._one_group, last[4], plan.shown, last[2])
+                else:
+                    check_all(self._groups, last[4], plan.shown, last[2])
                 for started in plan.persistent:
                     _startall(started)
                     _waitall(started)
