@@ -180,7 +180,8 @@ def section_attention(data: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- checkpoint
 
 CHECKPOINT_VARIANTS = ("disk write", "disk write, a file per rank", "disk read, cold",
-                       "raw read into preallocated arrays", "pympar save",
+                       "raw read into preallocated arrays",
+                       "raw copy from a mapping into preallocated arrays", "pympar save",
                        "pympar load same layout", "pympar load other layout", "torch DCP save",
                        "torch DCP load")
 
@@ -195,7 +196,9 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
              "dropping it from the page cache (the disk's read). *raw read into preallocated "
              "arrays*: every rank reads its 1/ranks share of each of the checkpoint's files "
              "from the page cache into arrays of those sizes, one `preadv` per file, at once: "
-             "what a load must at least do (no checksum, no layout). The loads read from the "
+             "(no checksum, no layout). *raw copy from a mapping*: the same shares copied with "
+             "one `numpy.copyto` each out of a read-only `mmap` of the file; the faster of the "
+             "two is what a load must at least do. The loads read from the "
              "page cache too (right after a save). Every writing variant starts right after "
              "its previous output was deleted and synced; the ratios below are medians over "
              "rounds of the ratio within a round, each against the anchor named.", ""]
@@ -242,6 +245,11 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
                              f"{LOAD_VS_RAW_TARGET} x raw read into preallocated arrays (anchor: "
                              "the same bytes per rank from the page cache, no checksum, no "
                              f"layout): {r[key]:.2f}, {verdict(r[key] >= LOAD_VS_RAW_TARGET)}")
+            key = f"load_{layout}_vs_raw_copy"
+            if key in r:
+                lines.append(f"- {n} rank(s): load, {layout} layout, against a raw copy from a "
+                             "mapping into preallocated arrays (no target; the other way to "
+                             f"read the same bytes, no checksum, no layout): {r[key]:.2f}")
         # The JSON's ratio is same-layout GB/s over other-layout GB/s: the time ratio.
         lines.append(f"- {n} rank(s): target load under another layout <= "
                      f"{OTHER_LAYOUT_TARGET} x the time under the saved layout: "

@@ -285,6 +285,7 @@ def _checkpoint_sample(ranks: list[int], dcp: bool) -> dict:
     for n in ranks:
         gbps = {"disk write": 1.0 * n, "disk read, cold": 0.5, "pympar save": 0.9 * n,
                 "raw read into preallocated arrays": 4.0,
+                "raw copy from a mapping into preallocated arrays": 3.2,
                 "pympar load same layout": 3.2, "pympar load other layout": 2.0}
         if dcp:
             gbps.update({"torch DCP save": 0.75 * n, "torch DCP load": 1.6})
@@ -292,7 +293,8 @@ def _checkpoint_sample(ranks: list[int], dcp: bool) -> dict:
                         "peak_extra_bytes": {"save": 2 ** 20, "load": 3 * 2 ** 20}})
         row = {"ranks": n, "save_vs_disk_write": gbps["pympar save"] / gbps["disk write"],
                "load_other_vs_same": 3.2 / 2.0, "load_same_vs_raw_read": 3.2 / 4.0,
-               "load_other_vs_raw_read": 2.0 / 4.0}
+               "load_other_vs_raw_read": 2.0 / 4.0, "load_same_vs_raw_copy": 3.2 / 3.2,
+               "load_other_vs_raw_copy": 2.0 / 3.2}
         if dcp:
             row.update(save_vs_torch_dcp=gbps["pympar save"] / gbps["torch DCP save"],
                        load_vs_torch_dcp=3.2 / 1.6, load_other_vs_torch_dcp=2.0 / 1.6)
@@ -358,6 +360,10 @@ def test_report_judges_every_target_of_the_new_jobs(tmp_path):
                      "cache, no checksum, no layout): 0.80, missed",
                      f"- {n} rank(s): target load, other layout, >= 0.9 x raw read",
                      "no checksum, no layout): 0.50, missed",
+                     f"- {n} rank(s): load, same layout, against a raw copy from a mapping "
+                     "into preallocated arrays (no target; the other way to read the same "
+                     "bytes, no checksum, no layout): 1.00",
+                     f"- {n} rank(s): load, other layout, against a raw copy from a mapping",
                      f"- {n} rank(s): target load under another layout <= 1.5 x the time "
                      "under the saved layout: 1.60, missed"]
     missing = [line for line in expected if line not in text]
