@@ -310,7 +310,7 @@ def plots(plt: Any, save: Callable[[Any, str], None], attention: Any, checkpoint
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
         ax.set(xlabel="ranks", ylabel="GB/s (state bytes / slowest rank's seconds, log)",
                title=f"checkpoint of {show_size(results[0]['state_bytes'])} "
-                     "(dashed: disk, dotted: torch DCP)")
+                     "(dashed: disk and raw reads, dotted: torch DCP)")
         fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
         save(fig, "checkpoint.png")
 

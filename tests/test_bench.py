@@ -408,6 +408,6 @@ def test_new_plots_are_labelled(tmp_path, saved_figures):
     saved = figures["checkpoint.png"]
     ax = saved.axes[0]
     assert ax.get_xlabel() == "ranks" and "GB/s" in ax.get_ylabel()
-    assert len(ax.get_lines()) == 8 and ax.get_legend() is None and saved.legends, \
+    assert len(ax.get_lines()) == 9 and ax.get_legend() is None and saved.legends, \
         "checkpoint.png: the legend sits beside the plot, not on the data"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
