@@ -195,7 +195,7 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
              "fsync. *disk read, cold*: one process reads that file into one array after "
              "dropping it from the page cache (the disk's read). *raw read into preallocated "
              "arrays*: every rank reads its 1/ranks share of each of the checkpoint's files "
-             "from the page cache into arrays of those sizes, one `preadv` per file, at once: "
+             "from the page cache into arrays of those sizes, one `preadv` per file, at once "
              "(no checksum, no layout). *raw copy from a mapping*: the same shares copied with "
              "one `numpy.copyto` each out of a read-only `mmap` of the file; the faster of the "
              "two is what a load must at least do. The loads read from the "
