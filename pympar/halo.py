@@ -221,8 +221,10 @@ class HaloExchange:
         the caller's).
         """
         last = self._last
+        # _agreement._label is within(None), and stats._active is_recording(), without
+        # their calls (about 0.1 us each, of a 1 us path).
         if (last is not None and last[0] is padded and last[1] == "exchange"
-                and last[2] == _agreement.within(None) and not stats.is_recording()):
+                and last[2] == _agreement._label and not stats._active):
             plan = last[3]
             if (plan.direct and plan.requests_on is padded and padded.shape == plan.shape
                     and padded.dtype is plan.dtype):
