@@ -20,7 +20,9 @@ def section_halo(data: dict[str, Any]) -> list[str]:
     lines = ["## Halo exchange", "",
              f"{data.get('ranks')} ranks, float64, periodic along the split axes, ghosts of "
              f"width {data.get('args', {}).get('width')}; median of the slowest rank's time "
-             "per exchange (us). *faces* = bytes one rank sends per exchange (largest rank).",
+             "per exchange (us). *faces* = bytes one rank sends per exchange (largest rank). "
+             "The ratios are the median over rounds of the two times in the same round (the "
+             "times drift between runs, a round's samples run side by side).",
              ""]
     names = ("pympar", "pympar_packed", "raw_sendrecv", "raw_neighbor", "pympar_adjoint")
     rows = []

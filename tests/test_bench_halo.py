@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree
@@ -18,9 +19,14 @@ def test_a_small_case_runs_and_counts_the_faces(layout):
     sizes = bench_halo.layouts(WORLD.size).get(layout)
     if sizes is None:
         pytest.skip("the grid needs an even number of ranks >= 4")
-    args = argparse.Namespace(repeats=1, warmup=0, sample_seconds=1e-4)
+    args = argparse.Namespace(repeats=3, warmup=0, sample_seconds=1e-4)
     case = bench_halo.measure((12, 10, 8), layout, sizes, 1, args)
     agree(set(case["median_us"]) == set(bench_halo.VARIANTS), str(case))
+    # The ratio pairs the two variants' samples round by round.
+    times = case["samples_us"]
+    paired = np.median(np.array(times["pympar"]) / np.array(times["raw_sendrecv"]))
+    agree(len(times["pympar"]) == 3 and np.isclose(case["ratio"], paired, rtol=1e-12),
+          f"{case['ratio']} != {paired}")
     # Two faces of one float64 cell: over the later axes' block extents (axis0), over the
     # earlier axes' padded extents (last).
     faces = {"axis0": 2 * 8 * 10 * 8, "last": 2 * 8 * 14 * 12}.get(layout)
