@@ -181,7 +181,8 @@ def section_attention(data: dict[str, Any]) -> list[str]:
 
 CHECKPOINT_VARIANTS = ("disk write", "disk write, a file per rank", "disk read, cold",
                        "raw read into preallocated arrays",
-                       "raw copy from a mapping into preallocated arrays", "pympar save",
+                       "raw copy from a mapping into preallocated arrays",
+                       "raw read and hash into preallocated arrays", "pympar save",
                        "pympar load same layout", "pympar load other layout", "torch DCP save",
                        "torch DCP load")
 
@@ -198,7 +199,9 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
              "from the page cache into arrays of those sizes, one `preadv` per file, at once "
              "(no checksum, no layout). *raw copy from a mapping*: the same shares copied with "
              "one `numpy.copyto` each out of a read-only `mmap` of the file; the faster of the "
-             "two is what a load must at least do. The loads read from the "
+             "two is what a load must at least do. *raw read and hash*: the same shares "
+             "read in 1 MiB pieces, each hashed with xxHash3-64 right after it is read: what "
+             "a load that verifies every byte it reads must at least do. The loads read from the "
              "page cache too (right after a save). Every writing variant starts right after "
              "its previous output was deleted and synced; the ratios below are medians over "
              "rounds of the ratio within a round, each against the anchor named.", ""]
@@ -250,6 +253,12 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
                 lines.append(f"- {n} rank(s): load, {layout} layout, against a raw copy from a "
                              "mapping into preallocated arrays (no target; the other way to "
                              f"read the same bytes, no checksum, no layout): {r[key]:.2f}")
+            key = f"load_{layout}_vs_raw_verified"
+            if key in r:
+                lines.append(f"- {n} rank(s): load, {layout} layout, against a raw read and "
+                             "hash into preallocated arrays (no target; the same bytes read "
+                             "and hashed as the load's checksum hashes them, no layout): "
+                             f"{r[key]:.2f}")
         # The JSON's ratio is same-layout GB/s over other-layout GB/s: the time ratio.
         lines.append(f"- {n} rank(s): target load under another layout <= "
                      f"{OTHER_LAYOUT_TARGET} x the time under the saved layout: "

@@ -286,6 +286,7 @@ def _checkpoint_sample(ranks: list[int], dcp: bool) -> dict:
         gbps = {"disk write": 1.0 * n, "disk read, cold": 0.5, "pympar save": 0.9 * n,
                 "raw read into preallocated arrays": 4.0,
                 "raw copy from a mapping into preallocated arrays": 3.2,
+                "raw read and hash into preallocated arrays": 3.5,
                 "pympar load same layout": 3.2, "pympar load other layout": 2.0}
         if dcp:
             gbps.update({"torch DCP save": 0.75 * n, "torch DCP load": 1.6})
@@ -294,7 +295,8 @@ def _checkpoint_sample(ranks: list[int], dcp: bool) -> dict:
         row = {"ranks": n, "save_vs_disk_write": gbps["pympar save"] / gbps["disk write"],
                "load_other_vs_same": 3.2 / 2.0, "load_same_vs_raw_read": 3.2 / 4.0,
                "load_other_vs_raw_read": 2.0 / 4.0, "load_same_vs_raw_copy": 3.2 / 3.2,
-               "load_other_vs_raw_copy": 2.0 / 3.2}
+               "load_other_vs_raw_copy": 2.0 / 3.2, "load_same_vs_raw_verified": 3.2 / 3.5,
+               "load_other_vs_raw_verified": 2.0 / 3.5}
         if dcp:
             row.update(save_vs_torch_dcp=gbps["pympar save"] / gbps["torch DCP save"],
                        load_vs_torch_dcp=3.2 / 1.6, load_other_vs_torch_dcp=2.0 / 1.6)
@@ -364,6 +366,12 @@ def test_report_judges_every_target_of_the_new_jobs(tmp_path):
                      "into preallocated arrays (no target; the other way to read the same "
                      "bytes, no checksum, no layout): 1.00",
                      f"- {n} rank(s): load, other layout, against a raw copy from a mapping",
+                     f"- {n} rank(s): load, same layout, against a raw read and hash into "
+                     "preallocated arrays (no target; the same bytes read and hashed as the "
+                     "load's checksum hashes them, no layout): 0.91",
+                     f"- {n} rank(s): load, other layout, against a raw read and hash into "
+                     "preallocated arrays (no target; the same bytes read and hashed as the "
+                     "load's checksum hashes them, no layout): 0.57",
                      f"- {n} rank(s): target load under another layout <= 1.5 x the time "
                      "under the saved layout: 1.60, missed"]
     missing = [line for line in expected if line not in text]
@@ -408,6 +416,6 @@ def test_new_plots_are_labelled(tmp_path, saved_figures):
     saved = figures["checkpoint.png"]
     ax = saved.axes[0]
     assert ax.get_xlabel() == "ranks" and "GB/s" in ax.get_ylabel()
-    assert len(ax.get_lines()) == 9 and ax.get_legend() is None and saved.legends, \
+    assert len(ax.get_lines()) == 10 and ax.get_legend() is None and saved.legends, \
         "checkpoint.png: the legend sits beside the plot, not on the data"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
