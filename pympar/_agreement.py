@@ -68,10 +68,16 @@ def check(group: Any, sig: int, shown: str, name: str | None, hint: str = "") ->
     (``hint``: what must hold, see :func:`pympar.debug.report`; ``RuntimeError`` for a
     freed group)."""
     board = group._state.board
+    if board is None or not board.agree(sig, group, shown, debug._timeout):
+        failed(group, board, shown, name, hint)
+
+
+def failed(group: Any, board: Any, shown: str, name: str | None, hint: str = "") -> None:
+    """Raise for a check that did not pass: ``board`` None, the group was freed (this rank
+    alone); else every rank of ``group`` raises the same report (:func:`pympar.debug.report`)."""
     if board is None:
         raise freed_error(shown, group)
-    if not board.agree(sig, group, shown, debug._timeout):
-        debug.report(group, f"{shown} in {name}" if name else shown, hint)
+    debug.report(group, f"{shown} in {name}" if name else shown, hint)
 
 
 def refuse(group: Any, what: str, error: Exception) -> None:

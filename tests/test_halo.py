@@ -379,6 +379,20 @@ def test_the_previous_array_again_is_checked_as_it_is_now(mesh):
 
 
 @pytest.mark.skipif(P == 1, reason="needs two ranks")
+def test_the_previous_array_on_a_freed_group_raises():
+    """The repeated array's shortest path still finds a freed group: every rank raises
+    instead of waiting in a check no other rank makes."""
+    group = Mesh(WORLD, {"x": P}, order="x").group("x")
+    halo = HaloExchange(Decomposition((4 * P, 6), {0: group}, True), 1)
+    pad = halo.empty()
+    for _ in range(2):
+        halo.exchange(pad)
+    group.free()
+    raises_everywhere(RuntimeError, "has been freed", halo.exchange, pad)
+    halo.free()
+
+
+@pytest.mark.skipif(P == 1, reason="needs two ranks")
 def test_a_bad_width_or_shape_on_one_rank_only(mesh):
     """Refused by rank 0 alone: the others, already in the agreement, raise too."""
     d = Decomposition((8, 8), split(mesh, "grid"))
