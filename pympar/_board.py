@@ -53,7 +53,7 @@ _YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 class Board:
     """One group's shared words (``memory``: ``2 * size`` zeroed 64-bit words)."""
 
-    __slots__ = ("memory", "slots", "size", "rank", "count", "__weakref__")
+    __slots__ = ("memory", "slots", "halves", "size", "rank", "count", "__weakref__")
 
     shared = True
 
@@ -61,6 +61,8 @@ class Board:
         self.memory, self.size, self.rank = memory, size, rank
         # A memoryview, not NumPy: indexing it with a Python int costs ~40 ns.
         self.slots = memoryview(memory).cast("Q")
+        # The words of the even and the odd checks: check k writes and reads halves[k & 1].
+        self.halves = (self.slots[:size], self.slots[size:2 * size])
         self.count = 0  # checks made; word 0 (all slots at start) never carries k >= 1
         _LIVE.add(self)
 
@@ -68,38 +70,41 @@ class Board:
         """Write ``sig`` for the next check, wait for every rank's, and tell whether all equal
         it (the same answer on every rank); CollectiveTimeoutError after ``timeout`` s."""
         k = self.count = self.count + 1 if self.count < _LAST else 1
-        word, slots = k << 32 | sig, self.slots
-        lo = (k & 1) * self.size
-        slots[lo + self.rank] = word
+        word, half = k << 32 | sig, self.halves[k & 1]
+        half[self.rank] = word
+        # Every rank there already with the same word (so for the last to arrive): one pass
+        # in C, 0.3 us less than the loop below on 2 ranks.
+        if half.tolist().count(word) == self.size:
+            return True
         deadline = None  # one deadline for the whole wait, set when a rank is late
-        for at in range(lo, lo + self.size):
-            seen = slots[at]
+        for at in range(self.size):
+            seen = half[at]
             if seen >> 32 != k:
                 if deadline is None and timeout is not None:
                     deadline = time.monotonic() + timeout
-                seen = self._spin(at, k, group, what, timeout, deadline)
+                seen = self._spin(half, at, k, group, what, timeout, deadline)
             if seen != word:
                 return False
         return True
 
-    def _spin(self, at: int, k: int, group: Any, what: str, timeout: float | None,
-              deadline: float | None) -> int:
-        """Poll word ``at`` until it carries check ``k``: tight, then yielding the core."""
-        slots = self.slots
+    def _spin(self, half: memoryview, at: int, k: int, group: Any, what: str,
+              timeout: float | None, deadline: float | None) -> int:
+        """Poll word ``at`` of ``half`` until it carries check ``k``: tight, then yielding
+        the core."""
         for _ in range(_TIGHT):
-            seen = slots[at]
+            seen = half[at]
             if seen >> 32 == k:
                 return seen
         yield_core, poke = _YIELD, group.comm.Iprobe
         while True:
             yield_core()
             poke()
-            seen = slots[at]
+            seen = half[at]
             if seen >> 32 == k:
                 return seen
             gone = seen >> 32 == _GONE
             if gone or deadline is not None and time.monotonic() >= deadline:
-                counts = [w >> 32 for w in slots[(k & 1) * self.size:][:self.size]]
+                counts = [w >> 32 for w in half.tolist()]
                 if gone:
                     raise ended_error(what, group, [r for r, c in enumerate(counts) if c == _GONE])
                 raise timeout_error(what, group, timeout, None,
@@ -113,7 +118,8 @@ class Board:
     def free(self) -> None:
         """Unmap the words."""
         _LIVE.discard(self)
-        self.slots.release()
+        for view in (*self.halves, self.slots):
+            view.release()
         self.memory.close()
 
 
