@@ -32,14 +32,16 @@ def backward_step(layers, x, target, count, scale=1.0):
 
 
 def data_rows():
-    """The data-parallel group, this rank's rows of the batch and their element count.
+    """The data-parallel group, this rank's rows of the batch and the count to divide its
+    summed loss gradient by.
 
-    Each rank takes the mean over its own rows: averaging the gradients over DP (BATCH splits
-    evenly) then gives the global mean's gradient.
+    That count is the global element count over the DP size, whatever rows each rank holds:
+    averaging the gradients over DP then gives the global mean's gradient, also where BATCH
+    does not split evenly (3 ranks).
     """
     dp = manager.get_data_parallel_group()
     rows = block(BATCH, dp.size, dp.rank)
-    return dp, rows, (rows.stop - rows.start) * FEATURES
+    return dp, rows, BATCH * FEATURES / dp.size
 
 
 @pytest.mark.mpi(min_size=1)
@@ -49,7 +51,7 @@ def test_injected_inf_on_one_rank_skips_everywhere_and_halves_scale(sharded):
     tp = 2 if WORLD.size % 2 == 0 else 1
     manager.initialize_parallel(tensor_parallel_size=tp)
     try:
-        dp, rows, local_count = data_rows()
+        dp, rows, count = data_rows()
         runs = {}
         for scaled in (True, False):
             layers = mlp(np.float64)
@@ -63,7 +65,7 @@ def test_injected_inf_on_one_rank_skips_everywhere_and_halves_scale(sharded):
                     continue  # the reference run never sees the poisoned step
                 x = rng_array(step, (BATCH, FEATURES), np.float64)
                 opt.zero_grad()
-                backward_step(layers, x[rows], np.sin(x[rows]), local_count,
+                backward_step(layers, x[rows], np.sin(x[rows]), count,
                               scaler.get_scale() if scaled else 1.0)
                 if scaled and step == 1 and WORLD.rank == WORLD.size - 1:
                     params[0].grad[0, 0] = np.inf
@@ -145,7 +147,7 @@ def test_fp16_recovers_from_overflow(sharded):
     tp = 2 if WORLD.size % 2 == 0 else 1
     manager.initialize_parallel(tensor_parallel_size=tp)
     try:
-        dp, rows, local_count = data_rows()
+        dp, rows, count = data_rows()
         layers = mlp(np.float16)
         params = [p for layer in layers for p in layer.parameters()]
         opt = (ZeroRedundancyOptimizer(params, AdamW, lr=0.1) if sharded
@@ -158,7 +160,7 @@ def test_fp16_recovers_from_overflow(sharded):
             opt.zero_grad()
             with np.errstate(over="ignore", invalid="ignore"):  # the overflow under test
                 local = backward_step(layers, x[rows].astype(np.float16),
-                                      target[rows].astype(np.float16), local_count,
+                                      target[rows].astype(np.float16), count,
                                       scaler.get_scale())
             losses.append(float(dp.all_reduce(np.array([local]))[0]) / (BATCH * FEATURES))
             if not sharded:
