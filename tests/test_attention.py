@@ -12,6 +12,9 @@ from pympar.debug import CollectiveMismatchError
 from pympar.modules import DistributedAttention, ParallelAttention
 from test_ring_attention import reference
 
+#: TP=2 or CP=2 over the world: an odd world is refused (see test_manager).
+even_world = pytest.mark.skipif(WORLD.size % 2 != 0, reason="needs an even number of ranks")
+
 S, B = 7, 2
 
 
@@ -81,6 +84,7 @@ def test_distributed_attention(clean, cp, heads, xp_name):
         assert_close(group.all_reduce(p.grad), q.grad, what=f"sum over cp of {name}")
 
 
+@even_world
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("xp_name", XPS)
@@ -106,6 +110,7 @@ def test_tensor_parallel_attention(clean, sp, xp_name):
     assert_close(layer.proj.bias.grad, ref.proj.bias.grad, what="dbo")
 
 
+@even_world
 @pytest.mark.mpi(min_size=2)
 def test_attention_bad_input(clean):
     raises_everywhere(RuntimeError, "DistributedAttention needs a context-parallel group",
@@ -145,6 +150,7 @@ def test_distributed_attention_masks(clean, cp, causal, padded):
         assert_close(group.all_reduce(p.grad), g, what=p.name)
 
 
+@even_world
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("causal,padded", [(True, False), (True, True)], ids=["causal", "both"])
@@ -167,6 +173,7 @@ def test_tensor_parallel_attention_masks(clean, sp, causal, padded):
     assert_close(layer.proj.bias.grad, dbo, what="dbo")
 
 
+@even_world
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["ulysses", "tp"])
 def test_attention_without_input_gradient(clean, kind):
@@ -203,6 +210,7 @@ def test_attention_without_input_gradient(clean, kind):
     agree(ok, f"input_grad=False: results {[type(r) for r in results]}, ops {list(rec.rows)}")
 
 
+@even_world
 @pytest.mark.mpi(min_size=2)
 def test_tensor_parallel_attention_ranks_that_differ_raise(clean):
     # Heads change no shape the projections' collectives see: only their labels tell.

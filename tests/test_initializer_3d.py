@@ -88,9 +88,11 @@ def test_bad_3d_arguments():
     with pytest.raises(ValueError, match="cube"):
         cube_depth(4)
     assert [cube_depth(n) for n in (1, 8, 27, 64, 125)] == [1, 2, 3, 4, 5]
-    raises_everywhere(ValueError, "do not tile", Initializer_3D_Input, 3, 1)
+    raises_everywhere(ValueError, "do not tile", Initializer_3D_Input, WORLD.size + 1, 1)
     if WORLD.size > 1:
-        raises_everywhere(ValueError, "cube tensor-parallel size", Initializer_3D, None, 2)
+        non_cube = next(n for n in range(2, WORLD.size + 1)
+                        if WORLD.size % n == 0 and round(n ** (1 / 3)) ** 3 != n)
+        raises_everywhere(ValueError, "cube tensor-parallel size", Initializer_3D, None, non_cube)
         raises_everywhere(ValueError, "does not match", Initializer_3D_Weight, WORLD.size, 1,
                           None, WORLD.size)
     manager.initialize_parallel()

@@ -121,6 +121,7 @@ def test_column_and_row(clean_state):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(WORLD.size % 2 != 0, reason="TP=2 needs an even number of ranks")
 def test_skipped_input_gradient_issues_no_all_reduce(clean_state):
     """Column -> GELU -> Row at TP=2: one all-reduce per step fewer without the input grad."""
     manager.initialize_parallel(2)

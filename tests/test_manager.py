@@ -107,7 +107,8 @@ def test_bad_arguments_raise_on_every_rank():
     world = WORLD.size
     raises_everywhere(ValueError, f"world size {world} is not divisible by tensor_parallel_size "
                       f"{world + 1}", manager.initialize_parallel, world + 1)
-    raises_everywhere(ValueError, "context_parallel_size 3", manager.initialize_parallel, 1, 3)
+    raises_everywhere(ValueError, f"context_parallel_size {world + 1}",
+                      manager.initialize_parallel, 1, world + 1)
     raises_everywhere(ValueError, "integer >= 1", manager.initialize_parallel, 0)
     raises_everywhere(ValueError, "integer >= 1", manager.initialize_parallel, 1, -2)
     raises_everywhere(ValueError, "unknown axis 'pp'", manager.initialize_parallel, 1, 1, "tp-pp-dp")
@@ -119,8 +120,9 @@ def test_bad_arguments_raise_on_every_rank():
 
 @pytest.mark.mpi(min_size=2)
 def test_missing_axis_of_size_above_one():
-    raises_everywhere(ValueError, "leaves out axis 'tp' of size 2",
-                      manager.initialize_parallel, 2, 1, "cp-dp")
+    tp = next(n for n in range(2, WORLD.size + 1) if WORLD.size % n == 0)
+    raises_everywhere(ValueError, f"leaves out axis 'tp' of size {tp}",
+                      manager.initialize_parallel, tp, 1, "cp-dp")
 
 
 @pytest.mark.mpi(min_size=4)
