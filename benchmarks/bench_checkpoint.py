@@ -83,6 +83,10 @@ from pympar.partition import Placement, Split, block_slice  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 TENSORS = 8  # weights; each has two Adam moments
+#: The raw reads of the saved shares, by the key of the load's ratio to each.
+RAW_ANCHORS = {"raw_read": "raw read into preallocated arrays",
+               "raw_copy": "raw copy from a mapping into preallocated arrays",
+               "raw_verified": "raw read and hash into preallocated arrays"}
 
 
 def parse_size(text: str) -> int:
@@ -383,22 +387,16 @@ def _ratios(results: list[dict]) -> list[dict]:
         s = r["samples"]
 
         def paired(a: str, b: str) -> float:  # speed of a over speed of b
-            return common.median([tb / ta for ta, tb in zip(s[a], s[b])])
+            return common.paired_ratio(s[b], s[a])
 
         row = {"ranks": r["ranks"], "save_vs_disk_write": paired("pympar save", "disk write"),
                "load_other_vs_same": paired("pympar load same layout",
                                             "pympar load other layout")}
-        if "raw read into preallocated arrays" in s:
-            for layout in ("same", "other"):
-                row[f"load_{layout}_vs_raw_read"] = paired(f"pympar load {layout} layout",
-                                                           "raw read into preallocated arrays")
-                row[f"load_{layout}_vs_raw_copy"] = paired(
-                    f"pympar load {layout} layout",
-                    "raw copy from a mapping into preallocated arrays")
-                if "raw read and hash into preallocated arrays" in s:
-                    row[f"load_{layout}_vs_raw_verified"] = paired(
-                        f"pympar load {layout} layout",
-                        "raw read and hash into preallocated arrays")
+        for anchor, variant in RAW_ANCHORS.items():
+            if variant in s:
+                for layout in ("same", "other"):
+                    row[f"load_{layout}_vs_{anchor}"] = paired(f"pympar load {layout} layout",
+                                                               variant)
         row["save_vs_disk_every_rank"] = paired("pympar save", "disk write, a file per rank")
         if "torch DCP save" in s:
             row["torch_dcp_vs_disk_every_rank"] = paired("torch DCP save",

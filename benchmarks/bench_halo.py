@@ -176,7 +176,7 @@ def measure(shape: tuple[int, ...], layout: str, sizes: dict[str, int], width: i
     mine = face_bytes(d.local_shape, axes, width)
 
     def paired(a: str, b: str) -> float:  # time of a over time of b, round by round
-        return common.median([ta / tb for ta, tb in zip(samples[a], samples[b])])
+        return common.paired_ratio(samples[a], samples[b])
 
     return {"shape": list(shape), "layout": layout, "parts": list(d.parts), "width": width,
             "calls_per_sample": calls,

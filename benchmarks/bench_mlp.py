@@ -229,8 +229,8 @@ def run_shape(hidden: int, tokens: int, repeats: int, warmup: int, torch: Any,
         "efficiency_pympar": ms[s1] / (p * ms[tp]),
         "ratio_pympar_tp_over_hand_tp": ms[tp] / ms[hand_tp],
         # Paired within each round: the machine's drift falls on both alike.
-        "ratio_pympar_tp_over_hand_tp_paired": common.median(
-            [a / b for a, b in zip(samples[tp], samples[hand_tp])]),
+        "ratio_pympar_tp_over_hand_tp_paired": common.paired_ratio(samples[tp],
+                                                                   samples[hand_tp]),
     }
     if torch is not None:
         row["efficiency_torch"] = ms[names["torch_serial1"]] / (p * ms[names["torch_tp"]])

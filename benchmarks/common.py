@@ -148,6 +148,12 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if len(values) else float("nan")
 
 
+def paired_ratio(over: Sequence[float], under: Sequence[float]) -> float:
+    """Median over rounds of ``over[i] / under[i]``: two variants sampled in the same rounds
+    (:func:`interleaved`), so that the machine's drift falls on both alike."""
+    return median([a / b for a, b in zip(over, under)])
+
+
 def blas_info() -> list[dict[str, Any]]:
     """What threadpoolctl sees: the BLAS and OpenMP libraries, kernels and thread counts.
 

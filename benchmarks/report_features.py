@@ -186,6 +186,13 @@ CHECKPOINT_VARIANTS = ("disk write", "disk write, a file per rank", "disk read, 
                        "pympar load same layout", "pympar load other layout", "torch DCP save",
                        "torch DCP load")
 
+#: The raw reads shown beside the load without a target, and what each does.
+_SHOWN_ANCHORS = (
+    ("raw_copy", "a raw copy from a mapping into preallocated arrays (no target; the other "
+                 "way to read the same bytes, no checksum, no layout)"),
+    ("raw_verified", "a raw read and hash into preallocated arrays (no target; the same bytes "
+                     "read and hashed as the load's checksum hashes them, no layout)"))
+
 
 def section_checkpoint(data: dict[str, Any]) -> list[str]:
     """``checkpoint.json``: GB/s per rank count against the disk and torch DCP."""
@@ -248,17 +255,11 @@ def section_checkpoint(data: dict[str, Any]) -> list[str]:
                              f"{LOAD_VS_RAW_TARGET} x raw read into preallocated arrays (anchor: "
                              "the same bytes per rank from the page cache, no checksum, no "
                              f"layout): {r[key]:.2f}, {verdict(r[key] >= LOAD_VS_RAW_TARGET)}")
-            key = f"load_{layout}_vs_raw_copy"
-            if key in r:
-                lines.append(f"- {n} rank(s): load, {layout} layout, against a raw copy from a "
-                             "mapping into preallocated arrays (no target; the other way to "
-                             f"read the same bytes, no checksum, no layout): {r[key]:.2f}")
-            key = f"load_{layout}_vs_raw_verified"
-            if key in r:
-                lines.append(f"- {n} rank(s): load, {layout} layout, against a raw read and "
-                             "hash into preallocated arrays (no target; the same bytes read "
-                             "and hashed as the load's checksum hashes them, no layout): "
-                             f"{r[key]:.2f}")
+            for anchor, what in _SHOWN_ANCHORS:
+                key = f"load_{layout}_vs_{anchor}"
+                if key in r:
+                    lines.append(f"- {n} rank(s): load, {layout} layout, against {what}: "
+                                 f"{r[key]:.2f}")
         # The JSON's ratio is same-layout GB/s over other-layout GB/s: the time ratio.
         lines.append(f"- {n} rank(s): target load under another layout <= "
                      f"{OTHER_LAYOUT_TARGET} x the time under the saved layout: "
