@@ -32,8 +32,8 @@ of the slowest rank:
   in pieces of 1 MiB (the load's), each hashed with xxHash3-64 (the load's checksum) right
   after it is read: what a load that verifies every byte it reads must at least do (no
   layout). With every core reading, the hash's time adds to the read's (xxHash3 ran at
-  34-43 GB/s on cache-hot 1 MiB pieces, the read at 5.5-6 GB/s per core): 0.82, 0.70 and
-  0.80 of the raw read on 1, 2 and 4 ranks (256 MiB, 5 rounds);
+  34-43 GB/s on cache-hot 1 MiB pieces, the read at 5.5-6 GB/s per core): 0.72, 0.78 and
+  0.74 of the raw read on 1, 2 and 4 ranks (the committed run: 1 GiB, 5 rounds);
 * ``disk write, a file per rank``: every rank writes its share of the bytes to a file of
   its own the same way, all at once: what the disk gives writers that never meet and
   ``fsync`` at the end (torch DCP writes this way; a writer that starts the write-back
