@@ -57,6 +57,12 @@ test: install
 test-slurm: install
 	scripts/test_slurm.sh
 
+# The GPU check (scripts/gpu_check.sh) rehearsed on the GPU machine's Python layout, built here
+# with the CuPy stand-in: every step must run and pass; SKIPPED where Python 3.12 is missing.
+.PHONY: gpu-rehearsal
+gpu-rehearsal:
+	scripts/gpu_rehearsal.sh
+
 # The main example: learn the 1D Burgers one-step map on 4 ranks (TP=2 x CP=2).
 demo: install
 	scripts/mpirun.sh 4 $(PY) -m mpi4py examples/burgers.py --tp 2 --cp 2 --out out/burgers

@@ -7,6 +7,7 @@ models CuPy wrongly and must follow what this CuPy does.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -71,7 +72,20 @@ def premises(cupy: Any) -> list[tuple[str, Callable[[], str | None]]]:
         return None if got.tolist() == [0.0, 1.0, 2.0, 3.0] else f"read back {got}"
 
     def cai() -> str | None:
-        desc = cupy.zeros(3).__cuda_array_interface__
+        a = cupy.zeros(3)
+        cupy.cuda.get_current_stream().synchronize()
+        # Reading the interface is what a CUDA-aware MPI does: the stand-in allows it only
+        # while it plays one (real CuPy ignores both variables).
+        saved = {k: os.environ.pop(k, None) for k in ("PYMPAR_CUDA_AWARE",
+                                                      "PYMPAR_TEST_CUPY_MANAGED")}
+        os.environ["PYMPAR_CUDA_AWARE"] = "1"
+        try:
+            desc = a.__cuda_array_interface__
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key, None)
+                if value is not None:
+                    os.environ[key] = value
         return None if desc.get("version", 0) >= 2 and "data" in desc else f"{desc}"
 
     def overlap() -> str | None:

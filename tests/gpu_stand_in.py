@@ -44,7 +44,8 @@ def cupy_in_mode(mode: str) -> ModuleType:
     Sets ``PYMPAR_CUDA_AWARE`` for the test (restored after it); skips without CuPy and a
     device, and the aware mode on a real GPU whose MPI does not report CUDA support (device
     pointers given to it would crash the job) unless ``PYMPAR_TEST_CUPY_MANAGED=1`` emulates
-    one: CuPy arrays are then allocated in managed memory, which a host MPI can move. The
+    one: CuPy arrays are then allocated in managed memory, which a host MPI can move (the
+    stand-in models managed memory too, so ``make gpu-rehearsal`` takes that path). The
     stand-in plays a CUDA-aware MPI.
     """
     if not backend.cupy_available():
@@ -52,7 +53,7 @@ def cupy_in_mode(mode: str) -> ModuleType:
     import cupy
 
     real = not is_stand_in(cupy)
-    if real and os.environ.get("PYMPAR_TEST_CUPY_MANAGED", "") == "1":
+    if os.environ.get("PYMPAR_TEST_CUPY_MANAGED", "") == "1":
         _use_managed_memory(cupy)
     elif mode == "aware" and real and not backend.mpi_library_cuda_support():
         pytest.skip("needs a CUDA-aware MPI: the MPI library does not report CUDA support "

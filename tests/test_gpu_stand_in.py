@@ -86,7 +86,16 @@ def test_mpi_refuses_a_device_array_before_its_stream_is_synchronized(cp):
     assert x.get().tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
-def test_mpi_refuses_device_memory_when_staging_is_forced(cp, monkeypatch):
+@pytest.fixture
+def default_allocator(cp):
+    """Device arrays from the default pool (not managed), whatever the run set; restored."""
+    previous = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(None)
+    yield
+    cp.cuda.set_allocator(previous)
+
+
+def test_mpi_refuses_device_memory_when_staging_is_forced(cp, monkeypatch, default_allocator):
     x = cp.zeros(4)
     cp.cuda.Device().synchronize()
     for setting in ("0", "auto"):
@@ -95,6 +104,46 @@ def test_mpi_refuses_device_memory_when_staging_is_forced(cp, monkeypatch):
             _allreduce(x)
     monkeypatch.setenv("PYMPAR_CUDA_AWARE", "1")
     _allreduce(x)
+
+
+def test_a_host_mpi_reaches_managed_memory_and_only_that(cp, monkeypatch, default_allocator):
+    """As with CUDA: arrays allocated from a managed pool (the emulation of a CUDA-aware MPI in
+    scripts/gpu_check.sh) reach a host MPI, and their views too; others still raise."""
+    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "0")
+    device = cp.arange(4, dtype=cp.float64)
+    pool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)
+    cp.cuda.set_allocator(pool.malloc)
+    assert cp.cuda.get_allocator() == pool.malloc
+    managed = cp.arange(4, dtype=cp.float64)
+    summed = managed + managed  # a kernel's result is allocated by the pool too
+    cp.cuda.set_allocator(None)
+    cp.cuda.Device().synchronize()
+    _allreduce(managed)
+    _allreduce(summed[1:])
+    assert managed.get().tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert summed.get().tolist() == [0.0, 2.0, 4.0, 6.0]
+    with pytest.raises(RuntimeError, match="bypassed staging"):
+        _allreduce(device)
+    with pytest.raises(RuntimeError, match="bypassed staging"):
+        _allreduce(cp.arange(4, dtype=cp.float64))  # allocated after the pool was left
+
+
+def test_the_managed_emulation_makes_the_stand_in_a_host_mpi(cp, monkeypatch,
+                                                             default_allocator):
+    """PYMPAR_TEST_CUPY_MANAGED=1 (a host MPI; the aware path runs on managed memory): device
+    pointers that are not managed memory raise even with PYMPAR_CUDA_AWARE=1, as they would
+    crash a host MPI on a GPU."""
+    monkeypatch.setenv("PYMPAR_CUDA_AWARE", "1")
+    monkeypatch.setenv("PYMPAR_TEST_CUPY_MANAGED", "1")
+    x = cp.zeros(4)
+    cp.cuda.Device().synchronize()
+    with pytest.raises(RuntimeError, match="not allocated as managed memory"):
+        _allreduce(x)
+    cp.cuda.set_allocator(cp.cuda.MemoryPool(cp.cuda.malloc_managed).malloc)
+    y = cp.ones(4)
+    cp.cuda.Device().synchronize()
+    _allreduce(y)
+    assert y.get().tolist() == [1.0] * 4
 
 
 def test_pympar_stages_when_forced(cp, monkeypatch):

@@ -19,7 +19,11 @@ What a GPU user meets on the first run is an error here:
   would read half-written data or overwrite what a kernel still reads;
 * device memory reaches MPI only when ``PYMPAR_CUDA_AWARE=1`` (the stand-in then plays a
   CUDA-aware MPI); with ``0`` or ``auto`` (a host MPI) any MPI access to it raises:
-  nothing may bypass staging.
+  nothing may bypass staging. Managed memory is the exception, as with CUDA: arrays
+  allocated through ``cupy.cuda.set_allocator(MemoryPool(malloc_managed).malloc)`` may reach
+  a host MPI. ``PYMPAR_TEST_CUPY_MANAGED=1`` (how ``scripts/gpu_check.sh`` emulates a
+  CUDA-aware MPI with a host one) makes the stand-in a host MPI in every mode: then only
+  managed memory may reach it, as on a GPU with the MPICH wheel.
 
 Only the names CuPy has are provided (:data:`_FUNCTIONS`); any other raises
 AttributeError, so code calling a NumPy-only function through ``xp`` fails here too.
@@ -68,6 +72,8 @@ def _wrap(a: Any) -> Any:
     if isinstance(a, numpy.generic):
         a = numpy.asarray(a)
     if isinstance(a, numpy.ndarray):
+        if cuda.allocating_managed and a.base is None:
+            cuda._allocated(a)
         out = ndarray.__new__(ndarray)
         out._a = a
         return out
@@ -101,6 +107,8 @@ def _kernel(func: Any, *args: Any, **kwargs: Any) -> Any:
     kind = type(result)
     if kind is numpy.ndarray:
         touched.append(result)
+        if cuda.allocating_managed and result.base is None:
+            cuda._allocated(result)
         out = ndarray.__new__(ndarray)
         out._a = result
     else:
@@ -120,6 +128,13 @@ def _kernel(func: Any, *args: Any, **kwargs: Any) -> Any:
 def _staging_forced() -> bool:
     return os.environ.get("PYMPAR_CUDA_AWARE", "auto").strip().lower() not in (
         "1", "true", "yes", "on")
+
+
+def _host_mpi() -> bool:
+    """Whether the stand-in plays a host MPI: staging is forced, or the run emulates a
+    CUDA-aware MPI on managed memory (``PYMPAR_TEST_CUPY_MANAGED=1``, as
+    ``scripts/gpu_check.sh`` sets where the MPI library reports no CUDA support)."""
+    return _staging_forced() or os.environ.get("PYMPAR_TEST_CUPY_MANAGED", "") == "1"
 
 
 class _Flags:
@@ -145,14 +160,17 @@ class ndarray:
         if memptr is not None or strides is not None:
             raise NotImplementedError("the CuPy stand-in allocates its own memory")
         self._a = numpy.empty(shape, _device_dtype(dtype), order=order)
+        if cuda.allocating_managed:
+            cuda._allocated(self._a)
 
     # ---------------------------------------------------------------- what MPI sees
     @property
     def __cuda_array_interface__(self) -> dict:
-        if _staging_forced():
+        if _host_mpi() and not cuda.is_managed(_root(self._a)):
             raise RuntimeError(
-                "CuPy stand-in: device memory reached MPI while PYMPAR_CUDA_AWARE is not 1 "
-                "(a host MPI cannot read device pointers: this buffer bypassed staging)")
+                "CuPy stand-in: device memory reached a host MPI (PYMPAR_CUDA_AWARE is not 1, "
+                "or PYMPAR_TEST_CUPY_MANAGED=1) that cannot read device pointers: this "
+                "buffer bypassed staging, or was not allocated as managed memory")
         if _pending(self._a):
             raise RuntimeError(
                 "CuPy stand-in: device memory handed to MPI while a kernel that reads or "
@@ -521,33 +539,14 @@ def __getattr__(name: str) -> Any:
                          f"if CuPy 14 has it)")
 
 
-class _MemoryPool:
-    """Device or pinned memory pool: counts what pympar frees back to the driver."""
-
-    def __init__(self) -> None:
-        self.freed_all = 0
-
-    def free_all_blocks(self, stream: Any = None) -> None:
-        self.freed_all += 1
-
-    def used_bytes(self) -> int:
-        return 0
-
-    def total_bytes(self) -> int:
-        return 0
-
-    def n_free_blocks(self) -> int:
-        return 0
+_DEVICE_POOL, _PINNED_POOL = cuda.MemoryPool(), cuda.PinnedMemoryPool()
 
 
-_DEVICE_POOL, _PINNED_POOL = _MemoryPool(), _MemoryPool()
-
-
-def get_default_memory_pool() -> _MemoryPool:
+def get_default_memory_pool() -> cuda.MemoryPool:
     return _DEVICE_POOL
 
 
-def get_default_pinned_memory_pool() -> _MemoryPool:
+def get_default_pinned_memory_pool() -> cuda.PinnedMemoryPool:
     return _PINNED_POOL
 
 
