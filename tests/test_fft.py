@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from mpi_helpers import WORLD, agree, raises_everywhere, to_numpy
-from pympar import fft
+from pympar import debug, fft
+from pympar.debug import CollectiveMismatchError
 from pympar.fft import _local
 from pympar.mesh import Mesh
 
@@ -209,3 +210,37 @@ def test_out_is_written_and_reused(library, layouts, layout):
     raises_everywhere(Exception, "", fft.rfftn, x, groups, s=shape, out=wrong)
     raises_everywhere(Exception, "", fft.rfftn, x, groups, s=shape,
                       out=np.empty(spec.local_shape, np.complex64))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["slab", "pencil"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("name", ["rfftn", "irfftn", "fftn", "ifftn"])
+def test_a_norm_that_differs_on_one_rank_raises_on_every_rank(layouts, layout, direction, name):
+    """norm= only scales the local transforms: the exchanges' label carries it (issue #38).
+
+    None and "backward" are one norm, so they agree; any other pair raises everywhere.
+    """
+    groups, shape = layouts[layout], (6, 5, 4)
+    pair, real = getattr(fft, name), name in ("rfftn", "irfftn")
+    field_side = (name in ("rfftn", "fftn")) == (direction == "forward")
+    placement = (fft.physical_placement(shape, groups) if field_side
+                 else fft.spectral_placement(shape, groups, real=real))
+    rng = np.random.default_rng(7)
+    full = rng.standard_normal(placement.shape)
+    if not (field_side and real):
+        full = full + 1j * rng.standard_normal(placement.shape)
+    x = placement.take(full)
+    call = pair if direction == "forward" else pair.backward
+    last = WORLD.rank == WORLD.size - 1
+    old = debug.get_timeout()
+    debug.set_timeout(30.0)
+    try:
+        for mine, theirs in (("ortho", None), ("forward", "backward"), ("backward", "ortho")):
+            raises_everywhere(CollectiveMismatchError, f"norm={mine}", call, x, groups,
+                              norm=mine if last else theirs, s=shape)
+        alike = call(x, groups, norm=None if last else "backward", s=shape)
+        want = call(x, groups, norm="backward", s=shape)
+        agree(np.array_equal(alike, want), "norm=None and norm='backward' differ")
+    finally:
+        debug.set_timeout(old)

@@ -99,14 +99,15 @@ class _Call:
                 self._check_extents(x, spectral_input)
             if out is not None:
                 self._check_out(x, out, spectral_input)
-            # The exchanges' label carries the whole axes' extents and s=, which the
-            # agreement check then compares: a real transform maps lengths 2k and 2k + 1 to
-            # one spectrum, so the exchanged shapes alone would not tell them apart.
+            # The exchanges' label carries the whole axes' extents, s=, the axes and norm=,
+            # which the agreement check then compares (pympar.agreed lists them): a real
+            # transform maps lengths 2k and 2k + 1 to one spectrum, so the exchanged shapes
+            # alone would not tell them apart, and norm= only scales the local transforms.
             splits = len(self.groups)
             whole = self.axes[:1] + self.axes[splits + 1:] if spectral_input else \
                 self.axes[splits:]
             self.label = (f"{name}(whole extents {tuple(x.shape[a] for a in whole)}, "
-                          f"s={self.lengths})")
+                          f"s={self.lengths}, axes={self.axes}, norm={norm or 'backward'})")
         except (TypeError, ValueError) as err:
             self.refuse(0, err)
             raise
@@ -297,7 +298,9 @@ class FFTPair:
         axes : sequence of int, optional
             Transformed axes (default all), more of them than groups.
         norm : {None, "backward", "ortho", "forward"}
-            As NumPy's.
+            As NumPy's (None is "backward"). Like ``axes`` and ``s``, compared over the
+            groups in the exchanges' agreement check: ranks passing different norms raise
+            :class:`~pympar.errors.CollectiveMismatchError` on every rank.
         s : sequence of int, optional
             The field's global lengths along ``axes``; checked against every rank's block.
             For ``irfftn`` it gives the real length of the last axis (default even, as
