@@ -48,11 +48,16 @@ test: export PYMPAR_FAKE_CUPY ?= 1
 # The suite once without a launcher (a singleton MPI world), then on 2, 4 and 8 ranks: every
 # phase runs, and a closing table says which passed (scripts/test_phases.sh).
 # python -m mpi4py aborts the whole job when one rank raises, instead of hanging.
+# Then the cross-node phases: 4 ranks on 2 nodes that MPICH emulates on this machine, and the
+# tests' own 2-rank jobs likewise (scripts/test_phases.sh; SKIPPED under Open MPI). On by
+# default for the whole suite; TEST_NODES_PHASE=0 leaves them out.
+test: export TEST_NODES_PHASE ?= $(if $(filter tests,$(TESTS)),1,0)
 test: install
 	scripts/test_phases.sh $(PY) "$(TEST_RANKS)" $(PYTEST)
 
-# The sbatch scripts of examples/slurm under a real one-node Slurm (as root on Debian-like
-# machines: slurm-wlm and munge from apt); says "test-slurm: SKIPPED" where it cannot run.
+# The sbatch scripts of examples/slurm and the cross-node tests under a real Slurm of two
+# nodes on this machine (as root on Debian-like machines: slurm-wlm and munge from apt); says
+# "test-slurm: SKIPPED" where it cannot run.
 .PHONY: test-slurm
 test-slurm: install
 	scripts/test_slurm.sh
