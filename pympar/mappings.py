@@ -185,11 +185,22 @@ def _reduce_scatter_or_keep(axis: int) -> Step:
 
     def reduce_scatter(group: Group, x: Any, out: Any, sizes: Any, name: str, /, *,
                        tensor_parallel_output_grad: bool = True) -> Any:
-        # False: the forward's output was replicated (counted once), so its
-        # adjoint is the plain split, not a sum over ranks.
-        return (reduce if tensor_parallel_output_grad else keep)(group, x, out, sizes, name)
-    return _step(reduce_scatter, ("tensor_parallel_output_grad",),
-                 sends=lambda options: bool(options.get("tensor_parallel_output_grad", True)))
+        if tensor_parallel_output_grad:
+            return reduce(group, x, out, sizes, name)
+        # False: the forward's output was replicated (counted once), so its adjoint is the
+        # plain split, not a sum over ranks. It sends nothing, but first agrees (the label,
+        # dtype and shape): a rank that keeps its block where the others reduce-scatter
+        # would otherwise leave them waiting, and return a block that lacks their sums.
+        try:
+            x = _local(x, name)
+        except TypeError as err:
+            collectives.refuse(group, name, err)
+            raise
+        collectives.agree(group, (name, "keep", x.dtype.str, x.shape),
+                          f"{name}(tensor_parallel_output_grad=False, shape={x.shape}, "
+                          f"dtype={x.dtype})")
+        return keep(group, x, out, sizes, name)
+    return _step(reduce_scatter, ("tensor_parallel_output_grad",))
 
 
 def _all_to_all(split_heads: bool) -> Step:
@@ -372,7 +383,7 @@ MAPPINGS: tuple[Mapping, ...] = (
             "Forward: all-gather axis 0 (``global_size=`` the global extent). Backward: "
             "reduce-scatter axis 0, or keep my block with "
             "``tensor_parallel_output_grad=False`` (when the forward's output is used as "
-            "one replicated value)."),
+            "one replicated value; the ranks first agree that every one keeps)."),
     Mapping("reduce_scatter_to_sequence", _reduce_scatter(SEQUENCE), _gather(SEQUENCE),
             Partial(), Sharded(SEQUENCE), "tensor",
             "Forward: reduce-scatter (sum) along axis 0. Backward: all-gather axis 0 "
