@@ -33,13 +33,13 @@ import zlib
 import numpy
 from mpi4py import MPI
 
-from .. import mappings
+from .. import collectives, mappings
 from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
 from ..partition import balanced_sizes
 from .blockwise import check_key_lengths, sequence_segments
-from .core import Module
+from .core import Module, described_init
 from .linear import Linear
 from .ring_attention import ring_attention_backward, ring_attention_forward
 from .validation import check_array
@@ -52,7 +52,8 @@ SCHEMES = ("ulysses", "ring", "hybrid")
 def split_context_group(group: Group, ulysses_size: int) -> tuple[Group, Group]:
     """Split a context group into Ulysses groups of consecutive ranks and ring groups across.
 
-    Collective over ``group``: every member must call it, with the same ``ulysses_size``.
+    Collective over ``group``: every member must call it, with the same ``ulysses_size``
+    (compared first: every rank raises when one passes another).
     Context rank ``c`` lands in Ulysses group ``c // U`` (at position ``c % U``) and ring group
     ``c % U`` (at position ``c // U``).
 
@@ -63,8 +64,12 @@ def split_context_group(group: Group, ulysses_size: int) -> tuple[Group, Group]:
     """
     u, c = int(ulysses_size), group.rank
     if u < 1 or group.size % u:
-        raise ValueError(f"ContextAttention: ulysses_size {ulysses_size} does not divide the "
-                         f"context-parallel size {group.size}")
+        error = ValueError(f"ContextAttention: ulysses_size {ulysses_size} does not divide "
+                           f"the context-parallel size {group.size}")
+        collectives.refuse(group, "split_context_group", error)
+        raise error
+    # Ranks splitting by other sizes would make groups whose names lie: agreed first.
+    collectives.agree(group, ("split_context_group", u), f"split_context_group(ulysses_size={u})")
     inner = [group.ranks[i] for i in range((c // u) * u, (c // u + 1) * u)]
     across = list(group.ranks[c % u::u])
     return (Group(group.comm.Split(c // u, c % u), "ulysses-" + "-".join(map(str, inner)), inner),
@@ -140,7 +145,7 @@ class ContextAttention(Module):
                 f"scheme={scheme}, ulysses={1 if self.ulysses is None else self.ulysses.size}, "
                 f"causal={self.causal}, layout={layout}, bias={bias}, "
                 f"dtype={numpy.dtype(dtype).name})")
-        self.label_calls(name)
+        self.label_calls(name, (described_init(seed),))
 
     def _groups(self, ulysses_size: int | None, groups: Any) -> tuple[Group | None, Group | None]:
         if self.scheme == "ulysses":

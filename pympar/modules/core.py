@@ -25,7 +25,7 @@ from .._agreement import Label
 from .parameter import Parameter
 from .validation import layer_name
 
-__all__ = ["Module", "Sequential", "check_backward_done"]
+__all__ = ["Module", "Sequential", "check_backward_done", "described_init"]
 
 # Layers that cached a training-mode forward in debug mode, for check_backward_done; weak:
 # a layer that is gone has nothing pending. Empty outside debug mode.
@@ -98,15 +98,21 @@ class Module:
         object.__delattr__(self, name)
 
     # -- labels and the agreement -------------------------------------------------------
-    def label_calls(self, name: str) -> None:
+    _agreed: tuple[str, ...] = ()
+
+    def label_calls(self, name: str, agreed: tuple[str, ...] = ()) -> None:
         """Name this layer's forward and backward: ``name + ".forward"`` and ``".backward"``.
 
         ``name`` holds what every rank of the group must share (class, global sizes,
         flags, dtype); :meth:`agreement` compares it, statistics record the collectives
         inside under it (``"Linear3D(8->16, ...).forward:all_gather"``), and errors name it.
+        ``agreed`` is more that every rank must share but the name leaves out (the init's
+        seed and methods: :func:`described_init`); :meth:`agreement` compares it too, and a
+        mismatch report shows it. :mod:`pympar.agreed` lists what each layer compares.
         """
         object.__setattr__(self, "_labels", {d: Label(f"{name}.{d}")
                                              for d in ("forward", "backward")})
+        object.__setattr__(self, "_agreed", tuple(agreed))
 
     def agreement(self, direction: str, x: Any, group: Any, split: tuple[int, ...] = (),
                   sizes_of: int | None = None, extra: tuple = (),
@@ -114,8 +120,9 @@ class Module:
         """Agree once with the ranks of ``group``; return the label block to run in.
 
         Start ``forward`` and ``backward`` with ``with self.agreement("forward", x, g):``.
-        The ranks compare the layer's label (inside any enclosing one), whether ``x`` is an
-        array, its dtype, its number of dimensions and its extents except those along the
+        The ranks compare the layer's label (inside any enclosing one) and what
+        :meth:`label_calls` was given to agree, ``input_grad`` in a backward, whether ``x`` is
+        an array, its dtype, its number of dimensions and its extents except those along the
         ``split`` axes, ``extra``, and the outcome of ``validate``: every rank raises
         :class:`~pympar.errors.CollectiveMismatchError` when they differ (naming what a
         rank refused), and each rank its own error when every rank refused alike.
@@ -166,6 +173,11 @@ class Module:
                                f"or manager.destroy_parallel); use the groups of the current "
                                f"state")
         name = block.name if _agreement._label is None else _agreement.within(block.name)
+        fixed = self._agreed
+        if direction == "backward" and not self.input_grad:  # it makes fewer collectives
+            fixed += ("input_grad=False",)
+        if fixed:
+            extra = extra + fixed
         if array:
             shape = x.shape
             for axis in split:
@@ -410,6 +422,20 @@ class Module:
         for name, mod in kids:
             lines.append("  (" + name + "): " + repr(mod).replace("\n", "\n  "))
         return "\n".join(lines) + "\n)"
+
+
+def described_init(seed: int, weight: Any = None, bias: Any = None) -> str:
+    """What a layer's initial parameters are drawn from, in words its agreement compares
+    (:meth:`Module.label_calls`' ``agreed``): the seed and the weight's and bias's init
+    methods, each a name or a callable (by its ``__qualname__``, which the factories of
+    :mod:`~pympar.modules.init_methods` set to their arguments)."""
+    text = f"init seed={seed}"
+    for part, method in (("weight", weight), ("bias", bias)):
+        if method is not None:
+            name = method if isinstance(method, str) else getattr(
+                method, "__qualname__", type(method).__name__)
+            text += f", {part} {name}"
+    return text
 
 
 def _this_rank() -> str:

@@ -26,7 +26,8 @@ instead of computing a wrong answer.
 
 Forward and backward start with one agreement over the cube
 (:meth:`~pympar.modules.Module.agreement`) on the layer's label (global sizes, bias and
-dtype; ``eps`` for the norm) and its input block's dtype and unsplit extents, so ranks that
+dtype; ``eps`` for the norm), its groups' axes (``swap``), its init (seed and method) and its
+input block's dtype and unsplit extents, so ranks that
 built different layers, or that pass a block only some refuse, raise
 :class:`~pympar.errors.CollectiveMismatchError` on every rank. Statistics record the
 collectives under the label (``"Linear3D(8->16, bias=True, dtype=float64).forward:all_gather"``).
@@ -44,7 +45,7 @@ from ..backend import array_module
 from ..group import Group
 from ..initializer_3d import ParallelMode
 from ..partition import Placement, Split
-from .core import Module, _copy_into
+from .core import Module, _copy_into, described_init
 from .validation import check_array
 from .parameter import Parameter
 from .init_methods import InitMethod
@@ -83,6 +84,14 @@ class Layout3D:
     def key(self) -> tuple[str, str, str]:
         """The names of the three groups: equal keys mean the same activation layout."""
         return (self.input.name, self.weight.name, self.output.name)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axis keys of the three groups (their names without the members' ranks), alike
+        on every rank of the cube: the layers agree on them, so ranks built with another
+        ``swap`` raise."""
+        return tuple(g.name.removesuffix("-" + "-".join(map(str, g.ranks)))
+                     for g in (self.input, self.weight, self.output))
 
     def swapped(self) -> "Layout3D":
         """The layout of the next layer: input and output groups exchanged."""
@@ -236,7 +245,9 @@ class Linear3D(Module):
                                             seed=seed, xp=xp, layer="Linear3D"),
                                   placement=placement)
         self.label_calls(f"Linear3D({self.in_features}->{self.out_features}, bias={bias}, "
-                         f"dtype={self.dtype.name})")
+                         f"dtype={self.dtype.name})",
+                         (f"groups {self.layout.axes}",
+                          described_init(seed, init_method, "uniform" if bias else None)))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -378,7 +389,8 @@ class LayerNorm3D(Module):
         width = placement.local_shape[0]
         self.weight = Parameter(xp.ones(width, dtype=self.dtype), placement=placement)
         self.bias = Parameter(xp.zeros(width, dtype=self.dtype), placement=placement)
-        self.label_calls(f"LayerNorm3D({self.hidden}, eps={self.eps!r}, dtype={self.dtype.name})")
+        self.label_calls(f"LayerNorm3D({self.hidden}, eps={self.eps!r}, dtype={self.dtype.name})",
+                         (f"groups {self.layout.axes}",))
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, depth={self.layout.depth}, eps={self.eps}"

@@ -27,7 +27,7 @@ from ..backend import array_module
 from ..group import Group
 from ..manager import resolve_group
 from ..partition import Placement, Split
-from .core import Module
+from .core import Module, described_init
 from .validation import check_array
 from .parameter import Parameter
 from .init_methods import InitMethod
@@ -63,13 +63,15 @@ class _TensorParallelLinear(Module):
         self.skip_bias_add = bool(skip_bias_add)
         self.use_sequence_parallel = bool(use_sequence_parallel)
 
-    def _name_calls(self, flags: str) -> None:
-        """Label forward and backward with what every rank must share: class, sizes, flags."""
+    def _name_calls(self, flags: str, init: str) -> None:
+        """Label forward and backward with what every rank must share: class, sizes, flags;
+        and agree on the init (``init``: :func:`~pympar.modules.core.described_init`), so
+        that ranks holding blocks of different full weights raise."""
         self.label_calls(f"{type(self).__name__}({self.in_features}->{self.out_features}, "
                          f"{flags}, bias={self.bias is not None}, "
                          f"skip_bias_add={self.skip_bias_add}, "
                          f"sequence_parallel={self.use_sequence_parallel}, "
-                         f"dtype={self.dtype.name})")
+                         f"dtype={self.dtype.name})", (init,))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -183,7 +185,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.stride = int(stride)
         split = Split.over(self.group, 0, self.stride)
         self._init_parameters(split, split, bias, init_method, bias_init, seed, xp)
-        self._name_calls(f"gather_output={self.gather_output}, stride={self.stride}")
+        self._name_calls(f"gather_output={self.gather_output}, stride={self.stride}",
+                         described_init(seed, init_method, bias_init if bias else None))
 
     def forward(self, x: Any) -> Any:
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
@@ -296,7 +299,8 @@ class RowParallelLinear(_TensorParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self._init_parameters(Split.over(self.group, 1), None, bias, init_method, bias_init,
                               seed, xp)
-        self._name_calls(f"input_is_parallel={self.input_is_parallel}")
+        self._name_calls(f"input_is_parallel={self.input_is_parallel}",
+                         described_init(seed, init_method, bias_init if bias else None))
 
     def forward(self, x: Any) -> Any:
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
