@@ -74,17 +74,28 @@ class SpectralBlock(Module):
                                 input_grad=input_grad)
         self.act = GELU() if activation else None
         self.input_grad = bool(input_grad)
+        # The spectral layer's collectives run under this label, which their checks compare
+        # (with the spectral layer's own settings): the activation is local work.
+        self.label_calls(f"SpectralBlock(activation={self.act is not None})")
 
     def forward(self, x: Any) -> Any:
         """``gelu(spectral(x) + pointwise(x))`` of a ``(batch, x1 block, ..., channels)`` field."""
-        y = self.spectral.forward(x)
+        with self._labels["forward"]:
+            y = self.spectral.forward(x)
         y += self.pointwise.forward(x)
         return y if self.act is None else self.act.forward(y)
 
     def backward(self, dy: Any) -> Any:
         """The input gradient (None with ``input_grad=False``); accumulates the parameters'."""
-        g = dy if self.act is None else self.act.backward(dy)
-        dx = self.spectral.backward(g)
+        g = dy
+        if self.act is not None:
+            try:
+                g = self.act.backward(dy)
+            except (TypeError, ValueError) as err:  # the others are about to exchange
+                self.spectral._refuse(err, "backward")
+                raise
+        with self._labels["backward"]:
+            dx = self.spectral.backward(g)
         dp = self.pointwise.backward(g)
         if dx is None:
             return None

@@ -41,7 +41,7 @@ from ..backend import array_module
 from ..fft._local import ADJOINT_NORM, c2c, c2r, r2c, scale_conjugate_pairs
 from ..group import Group
 from ..partition import Placement, Split, balanced_sizes
-from .core import Module
+from .core import Module, described_init
 from .validation import check_array
 from .parameter import Parameter
 
@@ -137,6 +137,10 @@ class SpectralConv(Module):
         placement = Placement(full, splits)
         xp = numpy if xp is None else xp
         real, imag = self._init(placement, seed)
+        # In the label of every collective, which their checks compare: the exchanged shapes
+        # do not show the modes kept along x1 (cut after the exchange) nor the init.
+        self._settings = (f"{self.in_channels}->{self.out_channels}, modes={self.modes}, "
+                          f"dtype={self.dtype.name}, {described_init(seed)}")
         self.weight_real = Parameter(xp.asarray(real), placement=placement)
         self.weight_imag = Parameter(xp.asarray(imag), placement=placement)
 
@@ -188,6 +192,12 @@ class SpectralConv(Module):
                 raise ValueError(f"{self!r}: {m} modes along spatial axis {k + 1}, a grid of "
                                  f"{n} points, holds at most {most} ({rule})")
 
+    def _label(self, direction: str, grid: str = "") -> str:
+        """The label of the collectives of ``direction``: the settings, ``grid`` and, in a
+        backward without the input gradient (one collective fewer), ``input_grad``."""
+        flag = "" if direction == "forward" or self.input_grad else ", input_grad=False"
+        return f"{type(self).__name__}.{direction}({self._settings}{grid}{flag})"
+
     def _refuse(self, err: Exception, direction: str = "forward") -> None:
         if self.group is not None:
             collectives.refuse(self.group, f"{type(self).__name__}.{direction}", err)
@@ -227,7 +237,7 @@ class SpectralConv(Module):
         # The label carries the grid's whole axes, which the agreement check compares: the
         # kept modes of grids 2k and 2k + 1 points alike have the same shape.
         return collectives.all_to_all(self.group, y, split, concat, None, None,
-                                      f"{type(self).__name__}.{name}(grid {lengths})")
+                                      self._label(name, f", grid {lengths}"))
 
     def _forward_nd(self, x: Any) -> Any:
         d, axes = len(self.modes), tuple(range(2, len(self.modes) + 1))
@@ -293,7 +303,7 @@ class SpectralConv(Module):
             n, start = local, 0
         else:
             extents = collectives.all_gather(self.group, numpy.array([local], numpy.int64),
-                                             0, None, None, f"{type(self).__name__}.forward")
+                                             0, None, None, self._label("forward"))
             n, start = int(extents.sum()), int(extents[:self.group.rank].sum())
         self._check_modes((n,))
         m = self.modes[0]
@@ -308,7 +318,7 @@ class SpectralConv(Module):
     def _forward_1d(self, x: Any) -> Any:
         xp = array_module(x)
         forward, inverse, n = self._dft(x)
-        name = f"{type(self).__name__}.forward"
+        name = self._label("forward")
         z = xp.matmul(forward.T, x)  # (batch, m, in): this rank's share of every kept mode
         if self.group is not None:
             z = collectives.reduce_scatter(self.group, z, 1, None, "sum", name)
@@ -325,7 +335,7 @@ class SpectralConv(Module):
     def _backward_1d(self, dy: Any, h: Any, w: Any, forward: Any, inverse: Any,
                      x_shape: tuple) -> Any:
         xp = array_module(dy)
-        name = f"{type(self).__name__}.backward"
+        name = self._label("backward")
         dz = xp.matmul(xp.conj(inverse).T, dy)  # (batch, m, out)
         if self.group is not None:
             dz = collectives.reduce_scatter(self.group, dz, 1, None, "sum", name)

@@ -26,7 +26,7 @@ from ..backend import array_module, is_cupy_array
 from ..decomposition import agree_all
 from ..halo import HaloExchange
 from ..partition import Placement
-from .core import Module
+from .core import Module, described_init
 from .validation import check_array
 from .parameter import Parameter
 from .sharded_init import init_bias, init_shard
@@ -109,6 +109,9 @@ class Laplacian(Module):
         self.halo = halo
         self.spacing = tuple(h)
         self._padded = _Padded()
+        # Its exchanges run under this label, which their check compares: the spacing only
+        # scales the local stencil, so ranks passing another one would otherwise not raise.
+        self.label_calls(f"Laplacian(spacing={self.spacing})")
 
     def extra_repr(self) -> str:
         """Return the settings shown by ``repr``."""
@@ -140,7 +143,8 @@ class Laplacian(Module):
         out = None  # HaloExchange.forward refuses a misfit u on every rank
         if _is_array(u) and u.ndim >= ndim:
             out = self._padded.get(self.halo, u.shape[:u.ndim - ndim], u, zero=False)
-        padded = self.halo.forward(u, out=out)
+        with self._labels["forward"]:
+            padded = self.halo.forward(u, out=out)
         y = array_module(u).empty(u.shape, u.dtype)
         self._apply(padded, u.ndim - ndim, y, transpose=False)
         self.save_for_backward(tuple(u.shape), u.dtype)
@@ -155,7 +159,8 @@ class Laplacian(Module):
         lead = len(shape) - self.halo.decomposition.ndim
         dpad = self._padded.get(self.halo, shape[:lead], dy, zero=True)
         self._apply(dy, lead, dpad, transpose=True)
-        return array_module(dy).ascontiguousarray(self.halo.adjoint(dpad))
+        with self._labels["backward"]:
+            return array_module(dy).ascontiguousarray(self.halo.adjoint(dpad))
 
 
 class HaloConv(Module):
@@ -229,6 +234,10 @@ class HaloConv(Module):
                                             xp=xp, layer="HaloConv"), placement=placement)
         self._offsets = list(itertools.product(*(range(s) for s in k)))
         self._padded, self._grad_padded = _Padded(), _Padded()
+        # Its exchanges and reductions run under this label, which their checks compare:
+        # the kernel, the bias and the init only shape the local convolution.
+        self.label_calls(f"HaloConv({self.in_channels}->{self.out_channels}, kernel_size={k}, "
+                         f"bias={bias}, dtype={self.dtype.name}, {described_init(seed)})")
 
     def extra_repr(self) -> str:
         """Return the constructor arguments shown by ``repr``."""
@@ -249,7 +258,8 @@ class HaloConv(Module):
         _checked(self, self.halo, x, "input", self.dtype,
                  (batch, self.in_channels, *d.local_shape))
         xp, cells = array_module(x), math.prod(d.local_shape)
-        padded = self.halo.forward(x, out=self._padded.get(self.halo, x.shape[:2], x, False))
+        with self._labels["forward"]:
+            padded = self.halo.forward(x, out=self._padded.get(self.halo, x.shape[:2], x, False))
         y = xp.zeros((batch, self.out_channels, cells), self.dtype)
         w = self.weight.data
         for index, window in self._windows():
@@ -269,12 +279,19 @@ class HaloConv(Module):
         batch, cells = padded.shape[0], math.prod(d.local_shape)
         shape = (batch, self.out_channels, *d.local_shape)
         _checked(self, self.halo, dy, "output gradient", self.dtype, shape)
+        with self._labels["backward"]:
+            return self._backward(dy, padded, batch, cells)
+
+    def _backward(self, dy: Any, padded: Any, batch: int, cells: int) -> Any:
+        d = self.halo.decomposition
         # One check first, which a misfit dy on another rank refuses (whatever follows:
-        # the halo's adjoint or only the gradients' all-reduce).
+        # the halo's adjoint or only the gradients' all-reduce); input_grad=False skips the
+        # adjoint, so it is compared too.
         agree_all(d.split_groups(), ("HaloConv.backward", batch, self.out_channels,
-                                     d.global_shape, self.dtype.str),
+                                     d.global_shape, self.dtype.str, self.input_grad),
                   f"HaloConv.backward(batch={batch}, out_channels={self.out_channels}, "
-                  f"global_shape={d.global_shape}, dtype={self.dtype})")
+                  f"global_shape={d.global_shape}, dtype={self.dtype}, "
+                  f"input_grad={self.input_grad})")
         xp = array_module(dy)
         dy3 = xp.ascontiguousarray(dy).reshape(batch, self.out_channels, cells)
         w = self.weight.data
