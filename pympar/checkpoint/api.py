@@ -65,7 +65,8 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     ------
     CheckpointError
         On every rank, with the same message, when any rank fails, or when the ranks pass
-        different ``path``, ``step`` or ``keep`` (named); ``path`` is then not created (a
+        different ``path``, ``step``, ``keep`` or optimizer (its type and hyperparameters;
+        named); ``path`` is then not created (a
         temporary directory may remain; it is never loaded).
     """
     comm = default_comm(comm)
@@ -74,7 +75,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     buffer = Buffer(BUFFER_BYTES)
     tensors, meta = attempt(comm, saving.prepare, rank, path, model, optimizer, step, extra,
                             keep)
-    saving.compare_calls(comm, path, step, keep, tensors)
+    saving.compare_calls(comm, path, step, keep, tensors, meta)
     pieces = attempt(comm, shares, comm, tensors)
     temp = saving.make_temp(comm, path)
     attempt(comm, saving.create_files, rank, size, temp, tensors)

@@ -46,13 +46,16 @@ def prepare(rank: int, path: str, model: Any, optimizer: Any, step: Any, extra: 
     return tensors_of(model, optimizer)
 
 
-def compare_calls(comm: MPI.Intracomm, path: str, step: Any, keep: Any, tensors: list) -> None:
+def compare_calls(comm: MPI.Intracomm, path: str, step: Any, keep: Any, tensors: list,
+                  meta: dict | None = None) -> None:
     """One exchange compares the call and the tensors; collective.
 
     A rank saving elsewhere, or another step, would leave a checkpoint of some ranks only,
-    or say what no rank meant.
+    or say what no rank meant; so would an optimizer (its type and hyperparameters, in
+    ``meta``) that some ranks pass and others not, or pass otherwise: the manifest holds one.
     """
-    shown = f"passes path={path!r}, step={step!r}, keep={keep!r}"
+    optimizer = None if meta is None else f"{meta['type']}({meta['hyperparameters']!r})"
+    shown = f"passes path={path!r}, step={step!r}, keep={keep!r}, optimizer={optimizer}"
     mine = np.array([call_key(shown), signature(tensors)], dtype=np.int64)
     keys = np.empty((comm.Get_size(), 2), dtype=np.int64)
     comm.Allgather(mine, keys)
