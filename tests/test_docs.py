@@ -38,6 +38,7 @@ API_PAGES = {
     "decomposition": "Decomposition",
     "halo": "HaloExchange",
     "debug": "CollectiveMismatchError",
+    "agreed": "tensor_parallel_output_grad",
     "faults": "MUST_AGREE",
     "launch": "RankZeroParser",
     "stats": "Recorder",
