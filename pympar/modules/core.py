@@ -173,20 +173,18 @@ class Module:
                                f"or manager.destroy_parallel); use the groups of the current "
                                f"state")
         name = block.name if _agreement._label is None else _agreement.within(block.name)
-        fixed = self._agreed
-        if direction == "backward" and not self.input_grad:  # it makes fewer collectives
+        fixed = self._agreed  # and input_grad=False, which makes fewer collectives
+        if direction == "backward" and not self.input_grad:
             fixed += ("input_grad=False",)
-        if fixed:
-            extra = extra + fixed
         if array:
             shape = x.shape
             for axis in split:
                 if -x.ndim <= axis < x.ndim:
                     axis %= x.ndim
                     shape = shape[:axis] + (-1,) + shape[axis + 1:]
-            key = (name, x.dtype.str, shape, extra)
+            key = (name, x.dtype.str, shape, extra, fixed)
         else:
-            key = (name, f"not an array: {type(x).__name__}", None, extra)
+            key = (name, f"not an array: {type(x).__name__}", None, extra, fixed)
         if refused is not None:  # the fact, not the text: messages name rank-local groups
             key += (f"refused by this rank ({type(refused).__name__})",)
         sig = _SIGNATURES.get(key)
@@ -493,10 +491,10 @@ def check_backward_done(params: "Module | Iterable[Parameter]", group: Any, what
 def _described(layer: Module, x: Any, key: tuple, refused: Exception | None) -> str:
     """A layer's call in words for the report (``key`` is what its agreement compares): the
     label, then (after ``debug._DETAIL``) this rank's input, once each."""
-    name, dtype, shape, extra = key[:4]
+    name, dtype, shape, extra, fixed = key[:5]
     detail = (f"input {tuple(x.shape)} {x.dtype}" if shape is not None
               else f"input {dtype}")
-    detail += "".join(f", {e}" for e in extra)
+    detail += "".join(f", {e}" for e in extra + fixed)
     if refused is not None:
         # The layer's own message starts with the layer, which the report already names.
         text = str(refused).removeprefix(f"{layer_name(layer)}: ")
