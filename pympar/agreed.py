@@ -370,10 +370,10 @@ INVENTORY: Calls = {**_COLLECTIVES, **_MAPPING_CALLS, **_FFT_CALLS, **_HALO_CALL
 
 #: The environment variables pympar reads -> how each is agreed.
 SETTINGS: dict[str, Agreed] = {
-    "PYMPAR_DEBUG": _checked("compared when a mesh, group or parallel state is made "
-                             "(pympar.settings): ValueError on every rank"),
-    "PYMPAR_TIMEOUT": _checked("compared when a mesh, group or parallel state is made "
-                               "(pympar.settings): ValueError on every rank"),
+    **dict.fromkeys(("PYMPAR_DEBUG", "PYMPAR_TIMEOUT"), _checked(
+        "compared when a mesh, group or parallel state is made (pympar.settings): ValueError "
+        "on every rank; switched later on some ranks only (debug.enable, set_timeout), it is "
+        "not compared again")),
     "PYMPAR_CUDA_AWARE": _local("how this rank's device buffers reach MPI, directly or "
                                 "through host memory: the data moved are the same"),
     "PYMPAR_STOP_FILE": _local("the file this rank watches; Preemption.should_stop agrees "
