@@ -9,7 +9,10 @@ agrees when all equal this rank's. Ranks making different calls meet in the same
   signature`` at ``(k & 1) * size + rank``: aligned 8-byte stores and loads are single
   instructions on x86-64 and aarch64 and the data moves through MPI afterwards, so no
   fences; a rank starts check ``k + 2`` only after every rank read the words of ``k``.
-* :class:`MessageBoard` (several nodes): one 8-byte ``Iallgather`` per check.
+* :class:`NodeBoard` (several nodes): the words of each node's ranks in its shared memory,
+  one 8-byte ``Iallgather`` among the nodes' leaders, the verdict back through the node's
+  memory. A check across nodes costs one exchange among the leaders, whatever the ranks
+  per node.
 
 A late rank makes the others raise after the watchdog's timeout; one that ended
 (:func:`depart`), :class:`~pympar.errors.PeerEndedError` at once. A waiting rank yields
@@ -28,26 +31,27 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .errors import ended_error, timeout_error, wait
+from .errors import ended_error, timeout_error, wait, yield_core
 
-__all__ = ["Board", "MessageBoard", "create", "depart", "REFUSED", "DEPARTED"]
+__all__ = ["Board", "NodeBoard", "create", "depart", "REFUSED", "DEPARTED"]
 
 #: Where the shared boards' files are made (memory-backed on Linux); without it, messages.
 SHARED_DIR = "/dev/shm"
-#: Whether groups on one node check through shared memory (read when a group is created;
-#: tests switch it off to take the message path).
+#: Whether ranks on one node share memory for the check (read when a group is created;
+#: tests switch it off to take the path across nodes: every rank a node of its own).
 SHARED = True
 #: Polls of a tight spin before each further poll yields the core.
 _TIGHT = 200
 #: The signature of a rank that refuses its own arguments (calls' signatures are odd).
 REFUSED = 0
-DEPARTED = 2  #: The signature of a rank that ended, on a message board.
+DEPARTED = 2  #: The signature of a rank that ended, in the leaders' exchange.
+MIXED = 4  # a node whose ranks' words differ, in the leaders' exchange
+_AGREE, _DISAGREE, _ENDED = 1, 0, 2  # verdicts: _ENDED + r, group rank r ended
+_LOW = 2**32 - 1
 _LAST = 2**32 - 2  # the last check count before wrapping to 1 (even: parities alternate)
 _GONE = 2**32 - 1  # the count field of an ended rank's word: no check reaches it
 _LIVE: Any = weakref.WeakSet()  # the boards not yet freed, for depart()
 _NAME_BYTES = 256
-# Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
-_YIELD = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class Board:
@@ -82,33 +86,10 @@ class Board:
             if seen >> 32 != k:
                 if deadline is None and timeout is not None:
                     deadline = time.monotonic() + timeout
-                seen = self._spin(half, at, k, group, what, timeout, deadline)
+                seen = _await_word(half, at, k, group, what, timeout, deadline)
             if seen != word:
                 return False
         return True
-
-    def _spin(self, half: memoryview, at: int, k: int, group: Any, what: str,
-              timeout: float | None, deadline: float | None) -> int:
-        """Poll word ``at`` of ``half`` until it carries check ``k``: tight, then yielding
-        the core."""
-        for _ in range(_TIGHT):
-            seen = half[at]
-            if seen >> 32 == k:
-                return seen
-        yield_core, poke = _YIELD, group.comm.Iprobe
-        while True:
-            yield_core()
-            poke()
-            seen = half[at]
-            if seen >> 32 == k:
-                return seen
-            gone = seen >> 32 == _GONE
-            if gone or deadline is not None and time.monotonic() >= deadline:
-                counts = [w >> 32 for w in half.tolist()]
-                if gone:
-                    raise ended_error(what, group, [r for r, c in enumerate(counts) if c == _GONE])
-                raise timeout_error(what, group, timeout, None,
-                                    [r for r, c in enumerate(counts) if c != k])
 
     def depart(self) -> None:
         """Mark this rank ended in the next check's slot (others may still read this one's)."""
@@ -123,37 +104,166 @@ class Board:
         self.memory.close()
 
 
-class MessageBoard:
-    """The same check for ranks on several nodes: one ``Iallgather`` of an int64 per rank."""
+class NodeBoard:
+    """The check of a group across nodes: the shared words within each node, one exchange
+    among the nodes' leaders, and the verdict back in the node's shared memory.
 
-    __slots__ = ("comm", "mine", "table", "__weakref__")
+    Each rank writes its word as on a :class:`Board` of its node's ranks of the group; the
+    node's leader (its lowest rank) waits for them, joins one 8-byte ``Iallgather`` among
+    the leaders (its node's signature, or mixed, and a rank that ended), and writes the
+    verdict (agree, disagree, rank ``r`` ended) where the node's other ranks wait for it.
+    Groups with one rank per node are all leaders: the one exchange.
+
+    Parameters
+    ----------
+    memory : mmap.mmap or None
+        ``2 * len(members) + 2`` zeroed 64-bit words shared by the node's ranks (None for a
+        node of one rank).
+    members : list of int
+        The group ranks on this node, the leader first.
+    node_rank : int
+        This rank's index in ``members``.
+    leaders : mpi4py.MPI.Intracomm or None
+        The leaders' communicator, on the leader (None on the others).
+    """
+
+    __slots__ = ("memory", "slots", "halves", "verdicts", "members", "node_rank", "leaders",
+                 "mine", "table", "count", "__weakref__")
 
     shared = False
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm
+    def __init__(self, memory: mmap.mmap | None, members: list[int], node_rank: int,
+                 leaders: MPI.Intracomm | None) -> None:
+        n = len(members)
+        self.memory, self.members, self.node_rank, self.leaders = memory, members, node_rank, \
+            leaders
+        words = memoryview(memory if memory is not None else bytearray(8 * (2 * n + 2)))
+        self.slots = words.cast("Q")
+        self.halves = (self.slots[:n], self.slots[n:2 * n])
+        self.verdicts = self.slots[2 * n:2 * n + 2]
         self.mine = np.zeros(1, np.int64)
-        self.table = np.zeros(comm.Get_size(), np.int64)
+        self.table = np.zeros(leaders.Get_size() if leaders is not None else 0, np.int64)
+        self.count = 0
         _LIVE.add(self)
 
     def agree(self, sig: int, group: Any, what: str, timeout: float | None) -> bool:
-        """Exchange ``sig``; whether every rank's equals it (see :meth:`Board.agree`)."""
-        self.mine[0] = sig
-        wait(self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T]),
+        """As :meth:`Board.agree`, over every node (the same answer on every rank)."""
+        k = self.count = self.count + 1 if self.count < _LAST else 1
+        half = self.halves[k & 1]
+        half[self.node_rank] = k << 32 | sig
+        verdict = (self._await_verdict(k, group, what, timeout) if self.leaders is None else
+                   self._decide(k, sig, half, group, what, timeout))
+        if verdict == _AGREE:
+            return True
+        if verdict == _DISAGREE:
+            return False
+        raise ended_error(what, group, [verdict - _ENDED])
+
+    def _decide(self, k: int, sig: int, half: memoryview, group: Any, what: str,
+                timeout: float | None) -> int:
+        """The leader: its node's words of check ``k``, the leaders' exchange, the verdict
+        written for the node."""
+        word, value, deadline = k << 32 | sig, sig, None
+        if len(self.members) > 1 and half.tolist().count(word) != len(self.members):
+            for at in range(1, len(self.members)):
+                seen = half[at]
+                if seen >> 32 != k:
+                    if deadline is None and timeout is not None:
+                        deadline = time.monotonic() + timeout
+                    seen = _await_word(half, at, k, group, what, timeout, deadline,
+                                       self.members, ended_too=True)
+                if seen >> 32 == _GONE:
+                    value = (self.members[at] + 1) << 32 | DEPARTED
+                    break
+                if seen != word:
+                    value = MIXED
+        self.mine[0] = value
+        table = self.table
+        wait(self.leaders.Iallgather([self.mine, MPI.INT64_T], [table, MPI.INT64_T]),
              what, group, timeout)
-        same = bool(self.table.min() == sig == self.table.max())
-        if not same and DEPARTED in self.table:
-            raise ended_error(what, group, np.flatnonzero(self.table == DEPARTED).tolist())
-        return same
+        ended = table >> 32
+        if ended.any():
+            verdict = _ENDED + int(ended[ended > 0][0]) - 1
+        elif table.min() == sig == table.max():
+            verdict = _AGREE
+        else:
+            verdict = _DISAGREE
+        self.verdicts[k & 1] = k << 32 | verdict
+        return verdict
+
+    def _await_verdict(self, k: int, group: Any, what: str, timeout: float | None) -> int:
+        """A rank that is not its node's leader: the verdict of check ``k``."""
+        verdicts, at = self.verdicts, k & 1
+        for _ in range(_TIGHT):
+            seen = verdicts[at]
+            if seen >> 32 == k:
+                return seen & _LOW
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poke = group.comm.Iprobe
+        leader = (self.halves[0], self.halves[1])
+        while True:
+            yield_core()
+            poke()
+            seen = verdicts[at]
+            if seen >> 32 == k:
+                return seen & _LOW
+            if leader[0][0] >> 32 == _GONE or leader[1][0] >> 32 == _GONE:
+                raise ended_error(what, group, [self.members[0]])
+            if deadline is not None and time.monotonic() >= deadline:
+                late = [self.members[q] for q, w in enumerate(self.halves[at].tolist())
+                        if w >> 32 != k]
+                raise timeout_error(what, group, timeout, None, late or None)
 
     def depart(self) -> None:
-        """Join the others' next check as an ended rank (never completed here: it ends)."""
-        self.mine[0] = DEPARTED
-        self.comm.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T])
+        """Mark this rank ended in the next check's slot; a leader also joins the leaders'
+        next exchange as ended (never completed here: it ends)."""
+        k = self.count + 1 if self.count < _LAST else 1
+        self.halves[k & 1][self.node_rank] = _GONE << 32
+        if self.leaders is not None:
+            self.mine[0] = (self.members[0] + 1) << 32 | DEPARTED
+            self.leaders.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T])
 
     def free(self) -> None:
-        """Forget the board."""
+        """Unmap the words and free the leaders' communicator."""
         _LIVE.discard(self)
+        for view in (*self.halves, self.verdicts, self.slots):
+            view.release()
+        if self.memory is not None:
+            self.memory.close()
+        if self.leaders is not None:
+            self.leaders.Free()
+            self.leaders = None
+
+
+def _await_word(half: memoryview, at: int, k: int, group: Any, what: str,
+                timeout: float | None, deadline: float | None, members: list[int] | None = None,
+                ended_too: bool = False) -> int:
+    """Poll word ``at`` of ``half`` until it carries check ``k`` (tight, then yielding the
+    core and driving MPI's progress); an ended rank's word is returned with ``ended_too``,
+    else raises :class:`~pympar.errors.PeerEndedError`. ``members``: the group ranks of the
+    words (default: word ``q`` is rank ``q``)."""
+    for _ in range(_TIGHT):
+        seen = half[at]
+        if seen >> 32 == k:
+            return seen
+    poke = group.comm.Iprobe
+    while True:
+        yield_core()
+        poke()
+        seen = half[at]
+        if seen >> 32 == k:
+            return seen
+        gone = seen >> 32 == _GONE
+        if gone and ended_too:
+            return seen
+        if gone or deadline is not None and time.monotonic() >= deadline:
+            counts = [w >> 32 for w in half.tolist()]
+            name = members.__getitem__ if members is not None else int
+            if gone:
+                raise ended_error(what, group, [name(r) for r, c in enumerate(counts)
+                                                if c == _GONE])
+            raise timeout_error(what, group, timeout, None,
+                                [name(r) for r, c in enumerate(counts) if c != k])
 
 
 def depart() -> None:
@@ -162,26 +272,16 @@ def depart() -> None:
         board.depart()
 
 
-def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
-    """The board of ``comm`` (collective): None for one rank, shared memory when every rank
-    shares a node, else (or when anything fails, or :data:`SHARED` is off) messages.
+def _map_shared(comm: MPI.Intracomm, nbytes: int) -> mmap.mmap | None:
+    """``nbytes`` of zeroed memory shared by the ranks of ``comm`` (one node; collective), or
+    None on every rank when any rank could not map it.
 
     Rank 0 creates the file and unlinks it once all have mapped it. Plain files rather than
     an MPI shared window: Open MPI's one-sided components print errors without UCX hardware.
     """
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return None
-    if not SHARED:  # alike on every rank
-        return MessageBoard(comm)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    together = node.Get_size() == size
-    node.Free()
-    if not together:
-        return MessageBoard(comm)
-    nbytes, board = 2 * size * 8, None
+    memory = None
     name = np.zeros(_NAME_BYTES, dtype=np.uint8)  # the path as bytes: nothing pickled
-    if rank == 0:
+    if comm.Get_rank() == 0:
         path = f"{SHARED_DIR}/pympar-board-{os.getpid()}-{secrets.token_hex(8)}".encode()
         with contextlib.suppress(OSError):  # an empty name: no board anywhere
             if len(path) < _NAME_BYTES:
@@ -193,16 +293,38 @@ def create(comm: MPI.Intracomm) -> Board | MessageBoard | None:
     if path:
         with contextlib.suppress(OSError, ValueError):
             with open(os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)), "r+b") as file:
-                board = Board(mmap.mmap(file.fileno(), nbytes), size, rank)
-    # Every rank takes the shared path or none does; the reduction is also the barrier
-    # after which nobody opens the file any more.
-    agreed = np.array([board is not None], dtype=np.int32)
+                memory = mmap.mmap(file.fileno(), nbytes)
+    # Every rank maps it or none does; the reduction is also the barrier after which nobody
+    # opens the file any more.
+    agreed = np.array([memory is not None], dtype=np.int32)
     comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.LAND)
-    if rank == 0 and path:
+    if comm.Get_rank() == 0 and path:
         with contextlib.suppress(OSError):
             os.unlink(path)
     if agreed[0]:
-        return board
-    if board is not None:
-        board.free()
-    return MessageBoard(comm)
+        return memory
+    if memory is not None:
+        memory.close()
+    return None
+
+
+def create(comm: MPI.Intracomm) -> Board | NodeBoard | None:
+    """The board of ``comm`` (collective): None for one rank; a :class:`Board` when every rank
+    shares a node; else a :class:`NodeBoard` over the ranks' nodes (``COMM_TYPE_SHARED``),
+    with one rank a node where shared memory cannot be had or :data:`SHARED` is off."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return None
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if SHARED else comm.Split(rank, 0)
+    try:
+        n = node.Get_size()
+        memory = _map_shared(node, 8 * (2 * n if n == size else 2 * n + 2)) if n > 1 else None
+        members = node.allgather(rank) if memory is not None else [rank]
+    finally:
+        node.Free()
+    if len(members) == size:
+        return Board(memory, size, rank)
+    # Without shared memory (alike on every rank of a node) each rank is a node of its own.
+    leader = members[0] == rank
+    leaders = comm.Split(0 if leader else MPI.UNDEFINED, rank)
+    return NodeBoard(memory, members, members.index(rank), leaders if leader else None)

@@ -7,13 +7,17 @@ uncaught, such an error is printed once, as one line (:mod:`pympar.faults`).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
 from mpi4py import MPI
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "PeerEndedError", "wait",
-           "timeout_error", "ended_error", "where"]
+           "timeout_error", "ended_error", "where", "yield_core"]
+
+#: Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
+yield_core = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -75,18 +79,27 @@ def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Reque
 def wait(request: MPI.Request, operation: str, group: Any, timeout: float | None,
          error: Callable[..., CollectiveTimeoutError] = timeout_error) -> None:
     """Complete ``request``: at once without a timeout, else polled for ``timeout`` seconds,
-    then raise ``error(operation, group, timeout, request)`` (the request stays pending)."""
+    then raise ``error(operation, group, timeout, request)`` (the request stays pending).
+
+    The poll spins, then yields the core between tests (a rank it waits for may need that
+    core: ranks sharing cores), then after 10 ms sleeps between them, backing off to 1 ms,
+    so that a long wait does not burn a core."""
     if timeout is None:
         request.Wait()
         return
+    test = request.Test
     for _ in range(200):  # a short call completes here, as fast as Wait()
-        if request.Test():
+        if test():
             return
-    deadline, delay = time.monotonic() + timeout, 1e-5
-    while not request.Test():
-        if time.monotonic() >= deadline:
+    now = time.monotonic
+    start = now()
+    deadline, yielding, delay = start + timeout, start + 0.01, 1e-5
+    while not test():
+        t = now()
+        if t >= deadline:
             raise error(operation, group, timeout, request)
-        # Back off from 10 us to 1 ms: short calls finish with little added latency,
-        # long ones do not burn a core another rank may need.
-        time.sleep(delay)
-        delay = min(2 * delay, 1e-3)
+        if t < yielding:
+            yield_core()
+        else:
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)

@@ -312,7 +312,7 @@ def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
     from pympar import _board
 
     made = []
-    for board in (_board.Board, _board.MessageBoard):  # every check ends in a board's
+    for board in (_board.Board, _board.NodeBoard):  # every check ends in a board's
         monkeypatch.setattr(board, "agree", lambda self, *a, real=board.agree:
                             made.append(a) or real(self, *a))
     d = Decomposition((16, 24), split(mesh, "grid"), True)
