@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from . import backend
 
-__all__ = ["UP", "DOWN", "Axis", "Plan", "widths"]
+__all__ = ["UP", "DOWN", "Axis", "Plan", "widths", "count"]
 
 UP, DOWN = 41, 42  # message tags: faces travelling to the upper and the lower neighbour
 Index = tuple  # a tuple of slices into a padded array
@@ -96,7 +96,7 @@ def _message(padded: Any, face: Index | MPI.Datatype) -> Any:
     return padded[face]
 
 
-def _count(region: Index, shape: tuple[int, ...]) -> int:
+def count(region: Index, shape: tuple[int, ...]) -> int:
     """The number of cells of ``region`` in an array of ``shape``."""
     return int(np.prod(_sizes(region, shape)))
 
@@ -142,10 +142,10 @@ class Plan:
         self.lead_shape = shape[:lead]
         for ax in self.axes:  # bytes sent and received along the axis, for statistics
             up, down = ax.upper != MPI.PROC_NULL, ax.lower != MPI.PROC_NULL
-            ax.sent = x.dtype.itemsize * (up * _count(ax.send_up, shape)
-                                          + down * _count(ax.send_down, shape))
-            ax.received = x.dtype.itemsize * (down * _count(ax.recv_lo, shape)
-                                              + up * _count(ax.recv_hi, shape))
+            ax.sent = x.dtype.itemsize * (up * count(ax.send_up, shape)
+                                          + down * count(ax.send_down, shape))
+            ax.received = x.dtype.itemsize * (down * count(ax.recv_lo, shape)
+                                              + up * count(ax.recv_hi, shape))
             # The forward's two Sendrecv, ready to go: (send region, to, tag, receive region,
             # from), each region a view when it is one contiguous run of the padded array
             # (MPICH moves a plain buffer 4-5 us sooner than the same bytes as a subarray

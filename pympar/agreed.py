@@ -177,6 +177,11 @@ _HALO_CALLS: Calls = {
         "raises ValueError on this rank alone, its own result")},
     _HALO + "exchange": {"padded": _PADDED},
     _HALO + "adjoint": {"padded": _PADDED},
+    _HALO + "refuse": {
+        "what": _local("the call in words, for the messages"),
+        "error": _checked("this rank joins the neighbours' check refusing: those raise the "
+                          "mismatch naming it, and it raises its own error"),
+    },
 }
 _DECOMPOSITION_CALLS: Calls = {
     "pympar.decomposition.Decomposition.__init__": {

@@ -76,18 +76,21 @@ def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Reque
     return error
 
 
-def wait(request: MPI.Request, operation: str, group: Any, timeout: float | None,
+def wait(request: MPI.Request | list[MPI.Request], operation: str, group: Any,
+         timeout: float | None,
          error: Callable[..., CollectiveTimeoutError] = timeout_error) -> None:
-    """Complete ``request``: at once without a timeout, else polled for ``timeout`` seconds,
-    then raise ``error(operation, group, timeout, request)`` (the request stays pending).
+    """Complete ``request`` (or every request of a list): at once without a timeout, else
+    polled for ``timeout`` seconds, then raise ``error(operation, group, timeout, request)``
+    (the request stays pending).
 
     The poll spins, then yields the core between tests (a rank it waits for may need that
     core: ranks sharing cores), then after 10 ms sleeps between them, backing off to 1 ms,
     so that a long wait does not burn a core."""
+    several = isinstance(request, list)
     if timeout is None:
-        request.Wait()
+        MPI.Request.Waitall(request) if several else request.Wait()
         return
-    test = request.Test
+    test = (lambda: MPI.Request.Testall(request)) if several else request.Test
     for _ in range(200):  # a short call completes here, as fast as Wait()
         if test():
             return

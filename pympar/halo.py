@@ -24,11 +24,15 @@ that rebuild their messages), or packed into reused contiguous buffers (``faces=
 device buffers go to MPI as :mod:`pympar.collectives` sends them, directly when
 :func:`pympar.backend.cuda_aware`, else through pinned host buffers).
 
-Every call first makes one agreement check per split axis's group
-(:func:`pympar.collectives.agree`: global shape, widths, leading shape, dtype, direction),
-so ranks that call differently, or a rank whose array does not fit, raise
-:class:`~pympar.debug.CollectiveMismatchError` on every rank instead of exchanging faces of
-another size. A repeated call (a known shape) costs one dictionary lookup and the check of
+Every call first checks with the neighbours it exchanges with, along each exchanged axis
+(:mod:`pympar._halo_check`: global shape, widths, leading shape, dtype, direction, label),
+and with them only: its cost and its waiting do not grow with the group, and a late rank
+holds up only its neighbours. Neighbours that call differently, or a rank whose array does
+not fit, raise :class:`~pympar.debug.CollectiveMismatchError` (the refusing rank its own
+error) instead of exchanging faces of another size; the ranks beyond learn of it from the
+neighbours that raised, which tell those about to exchange with them, so that nobody waits
+for a face (they raise :class:`~pympar.errors.PeerEndedError`, or return with every face
+right when theirs came before). A repeated call (a known shape) costs one dictionary lookup and the check of
 a signature hashed once per plan and label (about 1.5 us, against 5-6 us when the key was
 hashed on every call); the padded array of the previous call again, unchanged, under the
 same label, skips even the lookup. On the same padded array object with unpacked faces the
@@ -44,10 +48,12 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import _agreement, backend, debug, stats
+from . import _agreement, _halo_check, backend, debug, stats
+from ._board import REFUSED
 from ._halo_plan import DOWN, UP, Axis, Plan, widths
+from ._neighbours import NeighbourBoard
 from ._plans import signature
-from .decomposition import Decomposition, agree_all, check_all
+from .decomposition import Decomposition, agree_all
 
 __all__ = ["HaloExchange"]
 
@@ -59,6 +65,16 @@ def _account(ax: Axis, operation: str, start: float) -> None:
         sent, received = ((ax.sent, ax.received) if operation == "halo.exchange"
                           else (ax.received, ax.sent))
         stats.add(ax.group_name, operation, sent, received, time.perf_counter() - start)
+
+
+def _settled(requests: list[MPI.Request]) -> None:
+    """Wait for ``requests``; on an MPI error (a neighbour's poison) complete every one of
+    them before raising it (an MPI may return from the wait at the first error)."""
+    try:
+        _waitall(requests)
+    except MPI.Exception:
+        _halo_check.settle(requests)
+        raise
 
 
 class HaloExchange:
@@ -98,9 +114,9 @@ class HaloExchange:
 
     Notes
     -----
-    Creating one is collective over the decomposition's groups (one agreement check);
-    so is every call of :meth:`exchange`, :meth:`adjoint`, :meth:`forward` and
-    :meth:`backward`. Arrays are ``(*leading, *padded_shape)`` (or the block's shape for
+    Creating one is collective over the decomposition's groups (one agreement check over
+    each); every call of :meth:`exchange`, :meth:`adjoint`, :meth:`forward` and
+    :meth:`backward` checks with the neighbours only (see the module docstring). Arrays are ``(*leading, *padded_shape)`` (or the block's shape for
     the input of ``forward`` and the result of ``backward``), with any leading axes
     (batch, channels) alike on every rank; padded arrays must be C-contiguous.
     """
@@ -113,7 +129,6 @@ class HaloExchange:
         d = decomposition
         self.decomposition, self.faces = d, faces
         self._groups = d.split_groups()
-        self._one_group = self._groups[0] if len(self._groups) == 1 else None
         error = None if faces in ("subarray", "packed") else ValueError(
             f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
         try:
@@ -140,10 +155,15 @@ class HaloExchange:
                 break
         agree_all(self._groups, ("HaloExchange", d.global_shape, self.widths, faces),
                   f"HaloExchange(global_shape={d.global_shape}, widths={self.widths})", error)
+        # The calls' checks: with the neighbours along each exchanged axis split over ranks.
+        self._checks = [(a, d.groups[a], NeighbourBoard(d.groups[a].comm, d.neighbours(a)))
+                        for a in self.exchanged if d.groups[a] is not None
+                        and d.groups[a].size > 1]
+        self._one_check = self._checks[0] if len(self._checks) == 1 else None
         self._plans: dict[tuple, Plan] = {}
         # (padded array, direction, label, plan, signature) of the last fitting call.
         self._last: tuple | None = None
-        # The exchange's own hot path: (padded, label, shape, dtype, signature, shown,
+        # The exchange's own hot path: (padded, label, shape, dtype, signature, plan,
         # requests) of the previous exchange while nothing else has run since.
         self._ready: tuple | None = None
 
@@ -229,25 +249,30 @@ class HaloExchange:
             # then its requests, and no other Python. (Each 100 ns of Python here cost about
             # 0.4 us, 1.5 %, of an exchange of small faces: 2 ranks on the 2-core VM.)
             # _agreement._label is within(None), and stats._active is_recording().
-            _, name, shape, dtype, sig, shown, persistent = ready
+            _, name, shape, dtype, sig, plan, persistent = ready
             if (name == _agreement._label and not stats._active and padded.shape == shape
                     and padded.dtype is dtype):
-                group = self._one_group
-                if group is None:
-                    check_all(self._groups, sig, shown, name)
-                else:  # _agreement.check, without its frame
-                    board = group._state.board
-                    if board is None or not board.agree(sig, group, shown, debug._timeout):
-                        _agreement.failed(group, board, shown, name)
-                for started in persistent:
-                    _startall(started)
-                    _waitall(started)
+                one = self._one_check
+                if one is None or one[1]._state.board is None:
+                    _halo_check.check(self._checks, sig, plan.shown, name, plan, "exchange")
+                else:  # the one axis's check without check()'s frame while all agree
+                    differ = one[2].agree(sig, one[1], plan.shown, debug._timeout)
+                    if differ:
+                        _halo_check.check(self._checks, sig, plan.shown, name, plan,
+                                          "exchange", first=differ)
+                try:
+                    for started in persistent:
+                        _startall(started)
+                        _waitall(started)
+                except MPI.Exception as err:  # a neighbour's poison: it failed
+                    _halo_check.poisoned(plan, "exchange", 2 * persistent.index(started) + 2,
+                                         err, started)
                 return padded
         plan = self._plan(padded, "exchange")
         self._exchange(plan, padded)
         if plan.direct and plan.requests_on is padded:
             _, _, name, _, sig = self._last
-            self._ready = (padded, name, plan.shape, plan.dtype, sig, plan.shown,
+            self._ready = (padded, name, plan.shape, plan.dtype, sig, plan,
                            plan.persistent)
         return padded
 
@@ -268,7 +293,7 @@ class HaloExchange:
         """The plan of ``padded``'s shape, after the call's agreement check.
 
         ``block`` is the input of :meth:`forward`. A rank whose arrays do not fit refuses
-        in the check, so that every rank raises.
+        in the check, so that its neighbours raise too.
         """
         self._ready = None  # another call may rebuild the requests that exchange reuses
         last = self._last
@@ -279,7 +304,7 @@ class HaloExchange:
                 and last[2] == name and block is None):
             plan = last[3]
             if padded.shape == plan.shape and padded.dtype is plan.dtype:
-                check_all(self._groups, last[4], plan.shown, name)
+                _halo_check.check(self._checks, last[4], plan.shown, name, plan, direction)
                 return plan
         plan = key = None
         if type(padded) is np.ndarray or backend.is_cupy_array(padded):
@@ -291,7 +316,7 @@ class HaloExchange:
         if plan is None or not padded.flags.c_contiguous or block is not None:
             error = self._refusal(padded, direction, block)
             if error is not None:
-                agree_all(self._groups, (), f"HaloExchange.{direction}", error)
+                self.refuse(direction, error)
         if plan is None:
             d = self.decomposition
             key = key or (padded.shape, padded.dtype, type(padded), direction)
@@ -304,9 +329,19 @@ class HaloExchange:
         sig = plan.signatures.get(name)
         if sig is None:
             sig = plan.signatures[name] = signature(plan.key, name)
-        check_all(self._groups, sig, plan.shown, name)
+        _halo_check.check(self._checks, sig, plan.shown, name, plan, direction)
         self._last = (padded, direction, name, plan, sig)  # it fits: else the check raised
         return plan
+
+    def refuse(self, what: str, error: Exception) -> None:
+        """Raise ``error``, this rank's refusal of its input to ``what``, in the check that
+        the neighbours make next (an exchange's, or a stencil layer's before its exchange),
+        so that they raise too instead of waiting; every rank raises its own error when all
+        refused alike."""
+        shown = what if what.startswith("HaloExchange") or "." in what else \
+            f"HaloExchange.{what}"
+        _halo_check.check(self._checks, REFUSED, shown, _agreement.within(None), None,
+                          "exchange", error)
 
     def _refusal(self, padded: Any, direction: str, block: Any) -> Exception | None:
         """Why this rank cannot make the call, or None."""
@@ -340,34 +375,54 @@ class HaloExchange:
     def _exchange(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
         if plan.direct and not recording:  # the hot path: nothing but MPI
-            for started in plan.requests(padded):
-                _startall(started)
-                _waitall(started)
+            persistent = plan.requests(padded)
+            try:
+                for started in persistent:
+                    _startall(started)
+                    _waitall(started)
+            except MPI.Exception as err:  # a neighbour's poison: it failed
+                _halo_check.poisoned(plan, "exchange", 2 * persistent.index(started) + 2, err,
+                                     started)
             return
         requests = iter(plan.requests(padded) if plan.subarrays else ())
-        for ax in plan.axes:
-            start = time.perf_counter() if recording else 0.0
-            if ax.pairs:  # subarray datatypes: MPI reads and writes the padded array itself
-                started = next(requests)
-                MPI.Prequest.Startall(started)
-                MPI.Request.Waitall(started)
-            else:
-                self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
-                           False)
-                self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper, DOWN,
-                           False)
-            if recording:
-                _account(ax, "halo.exchange", start)
+        done = 0  # message units made (see _halo_check.units): two per axis with a comm
+        try:
+            for ax in plan.axes:
+                start = time.perf_counter() if recording else 0.0
+                if ax.pairs:  # subarray datatypes: MPI reads and writes the array itself
+                    started = next(requests)
+                    done += 2
+                    MPI.Prequest.Startall(started)
+                    _settled(started)
+                else:
+                    done += ax.comm is not None
+                    self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
+                               False)
+                    done += ax.comm is not None
+                    self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper,
+                               DOWN, False)
+                if recording:
+                    _account(ax, "halo.exchange", start)
+        except MPI.Exception as err:  # a neighbour's poison: it failed
+            _halo_check.poisoned(plan, "exchange", done, err, [])
 
     def _adjoint(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
-        for ax in reversed(plan.axes):
-            start = time.perf_counter() if recording else 0.0
-            # Each ghost goes back to whoever filled it and is added there.
-            self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, DOWN, True)
-            self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, UP, True)
-            if recording:
-                _account(ax, "halo.adjoint", start)
+        done = 0  # message units made (see _halo_check.units)
+        try:
+            for ax in reversed(plan.axes):
+                start = time.perf_counter() if recording else 0.0
+                # Each ghost goes back to whoever filled it and is added there.
+                done += ax.comm is not None
+                self._move(plan, ax, padded, "recv_lo", "send_up", ax.lower, ax.upper, DOWN,
+                           True)
+                done += ax.comm is not None
+                self._move(plan, ax, padded, "recv_hi", "send_down", ax.upper, ax.lower, UP,
+                           True)
+                if recording:
+                    _account(ax, "halo.adjoint", start)
+        except MPI.Exception as err:  # a neighbour's poison: it failed
+            _halo_check.poisoned(plan, "adjoint", done, err, [])
 
     def _move(self, plan: Plan, ax: Axis, padded: Any, sending: str, receiving: str,
               dest: int, source: int, tag: int, add: bool) -> None:
@@ -381,16 +436,17 @@ class HaloExchange:
                 padded[recv] = padded[send]
             return
         incoming = plan.buffer(ax, receiving)
+        comm = ax.comm
         if plan.subarrays:  # (the adjoint) send in place, receive whole to add
-            ax.comm.Sendrecv([padded, 1, plan.datatype(ax, sending)], dest, tag,
-                             [incoming, plan.mpi_type], source, tag)
+            _settled([comm.Irecv([incoming, plan.mpi_type], source, tag),
+                      comm.Isend([padded, 1, plan.datatype(ax, sending)], dest, tag)])
         else:
             outgoing = plan.buffer(ax, sending)
             outgoing[...] = padded[send]
             wire_send, wire_recv = ((outgoing, incoming) if plan.numpy
                                     else backend.to_wire(outgoing, incoming))
-            ax.comm.Sendrecv([wire_send, plan.mpi_type], dest, tag,
-                             [wire_recv, plan.mpi_type], source, tag)
+            _settled([comm.Irecv([wire_recv, plan.mpi_type], source, tag),
+                      comm.Isend([wire_send, plan.mpi_type], dest, tag)])
             if not plan.numpy:
                 backend.from_wire(incoming, wire_recv)
         if source == MPI.PROC_NULL:

@@ -187,6 +187,14 @@ for _method, _param in (("backward", "dy"), ("exchange", "padded"), ("adjoint", 
     case(_HALO + _method, _param)(_halo_padded(_method))
 
 
+@case(_HALO + "refuse", "error")
+def _halo_refuse(ctx: Context, param: str) -> Any:
+    h = _halo(ctx)
+    if ctx.last:  # its input did not fit, say: it refuses where the others exchange
+        return h.refuse("exchange", ValueError("this rank's input does not fit"))
+    return h.exchange(h.empty())
+
+
 @case("pympar.decomposition.Decomposition.__init__", "global_shape", "periodic")
 def _decomposition(ctx: Context, param: str) -> Any:
     g = ctx.group()

@@ -23,7 +23,8 @@ import pympar
 from pympar import agreed, mappings
 
 # What the discovery looks at in a public class.
-METHODS = ("__init__", "__call__", "forward", "backward", "step", "exchange", "adjoint")
+METHODS = ("__init__", "__call__", "forward", "backward", "step", "exchange", "adjoint",
+           "refuse")
 
 
 def resolve(path: str) -> Any:

@@ -8,6 +8,8 @@ over every rank (strided faces), and two axes split over a grid of ranks.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -17,6 +19,7 @@ from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywh
 from pympar import Mesh, stats
 from pympar.collectives import label
 from pympar.debug import CollectiveMismatchError
+from pympar.errors import PeerEndedError
 from pympar.decomposition import Decomposition
 from pympar.halo import HaloExchange
 
@@ -36,6 +39,27 @@ def mesh():
     yield groups
     for g in groups.values():
         g.free()
+
+
+def raises_around_rank0(halo: HaloExchange, own: type, match: str, func, *args):
+    """``func(*args)`` where rank 0's call differs: rank 0 raises ``own``, the neighbours it
+    checks with a mismatch matching ``match``; the ranks beyond raise a mismatch spread
+    along a later axis, PeerEndedError (a neighbour that raised told them), or return."""
+    caught = None
+    try:
+        func(*args)
+    except Exception as err:  # noqa: BLE001 - inspected below
+        caught = err
+    near = any(group.ranks[r] == 0 for _, group, board in halo._checks
+               for r in board.neighbours)
+    if WORLD.rank == 0:
+        ok = isinstance(caught, own) and match in str(caught)
+    elif near:
+        ok = isinstance(caught, CollectiveMismatchError) and match in str(caught)
+    else:
+        ok = caught is None or isinstance(caught, (PeerEndedError, CollectiveMismatchError))
+    agree(ok, f"rank {WORLD.rank} ({'near' if near else 'beyond'}): {caught!r}")
+    return caught
 
 
 def split(mesh, layout: str) -> dict:
@@ -252,20 +276,18 @@ def test_ranks_that_ask_different_widths(mesh):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_array_that_does_not_fit_on_one_rank(mesh, layout):
-    """Rank 0 passes a misshapen array: every rank raises, nobody waits for a face."""
+    """Rank 0 passes a misshapen array: it raises its reason, its neighbours a mismatch
+    that names it, and nobody waits for a face."""
     d = Decomposition((16, 24), split(mesh, layout), True)
     halo = HaloExchange(d, 1)
     shape = halo.padded_shape if WORLD.rank else (halo.padded_shape[0] + 1,
                                                   halo.padded_shape[1])
-    caught = raises_everywhere(Exception, "the padded array has shape", halo.exchange,
-                               np.zeros(shape))
-    # Rank 0 raises its own reason, the others a mismatch that names it.
-    agree(isinstance(caught, ValueError if WORLD.rank == 0 else CollectiveMismatchError),
-          repr(caught))
+    raises_around_rank0(halo, ValueError, "the padded array has shape", halo.exchange,
+                        np.zeros(shape))
     if P > 1:  # a wrong dtype on one rank only
         dtype = np.float64 if WORLD.rank else np.float32
-        raises_everywhere(CollectiveMismatchError, "HaloExchange", halo.exchange,
-                          np.zeros(halo.padded_shape, dtype))
+        raises_around_rank0(halo, CollectiveMismatchError, "float32", halo.exchange,
+                            np.zeros(halo.padded_shape, dtype))
     # The halo still works afterwards.
     full = field((16, 24), seed=9)
     assert_equal(halo.forward(d.take(full)),
@@ -307,14 +329,17 @@ def test_the_documentation_picture_shows_what_the_exchange_delivers(mesh):
         assert_equal(halo.forward(mine), want.astype(np.float64), f"owners {periodic}")
 
 
-def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
-    """Small or large, every exchange is checked: one agreement per split axis's group."""
-    from pympar import _board
+def test_every_call_checks_with_its_neighbours_only(mesh, monkeypatch):
+    """Small or large, every exchange is checked: one neighbour check per exchanged split
+    axis, no check of a whole group."""
+    from pympar import _board, _neighbours
 
-    made = []
-    for board in (_board.Board, _board.NodeBoard):  # every check ends in a board's
+    made, whole = [], []
+    monkeypatch.setattr(_neighbours.NeighbourBoard, "agree", lambda self, *a,
+                        real=_neighbours.NeighbourBoard.agree: made.append(a) or real(self, *a))
+    for board in (_board.Board, _board.NodeBoard):
         monkeypatch.setattr(board, "agree", lambda self, *a, real=board.agree:
-                            made.append(a) or real(self, *a))
+                            whole.append(a) or real(self, *a))
     d = Decomposition((16, 24), split(mesh, "grid"), True)
     full = field((16, 24), seed=2)
     want = my_padded_block(padded_reference(full, ((1, 1), (1, 1)), d.periodic), d,
@@ -322,17 +347,83 @@ def test_every_call_makes_one_agreement_per_split_axis(mesh, monkeypatch):
     halo = HaloExchange(d, 1)
     for call in range(2):  # the planned call as the first
         made.clear()
+        whole.clear()
         assert_equal(halo.forward(d.take(full)), want, f"forward, call {call}")
         expected = sum(g.size > 1 for g in d.split_groups())
-        agree(len(made) == expected, f"call {call}: {len(made)} checks, expected {expected}")
+        agree(len(made) == expected and not whole,
+              f"call {call}: {len(made)} neighbour checks, expected {expected}; "
+              f"{len(whole)} checks of whole groups")
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_a_late_rank_holds_up_only_its_neighbours(ranks):
+    """A 1-D decomposition over 4 or 8 ranks whose last rank comes 300 ms late: rank 0, two
+    or more ranks away, finishes its exchange within 50 ms, as with two raw Sendrecv."""
+    if P < ranks:
+        pytest.skip(f"needs {ranks} ranks")
+    comm = WORLD.Split(0 if WORLD.rank < ranks else MPI.UNDEFINED, WORLD.rank)
+    if comm == MPI.COMM_NULL:
+        return
+    group = Mesh(comm, {"x": ranks}, order="x").group("x")
+    halo = HaloExchange(Decomposition((4 * ranks, 6), {0: group}), 1)
+    pad = halo.empty()
+    lower, upper = halo.decomposition.neighbours(0)
+    face = np.zeros(6)
+
+    def raw() -> None:
+        comm.Sendrecv(face, upper, 7, face.copy(), lower, 7)
+        comm.Sendrecv(face, lower, 8, face.copy(), upper, 8)
+
+    taken = {}
+    for name, call in (("raw", raw), ("halo", lambda: halo.exchange(pad))):
+        call()  # planned, warm
+        comm.Barrier()
+        if comm.rank == ranks - 1:
+            time.sleep(0.3)
+        start = time.perf_counter()
+        call()
+        taken[name] = time.perf_counter() - start
+    comm.Barrier()
+    agree(comm.rank != 0 or taken["halo"] < taken["raw"] + 0.05,
+          f"rank 0 waited {taken['halo'] * 1e3:.1f} ms in the exchange, "
+          f"{taken['raw'] * 1e3:.1f} ms with raw Sendrecv", comm)
+    halo.free()
+    group.free()
+    comm.Free()
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_a_check_reads_the_same_words_on_any_number_of_ranks(ranks):
+    """A 1-D decomposition over 4 or 8 ranks: one exchange reads two neighbours' words on
+    each rank (periodic), whatever the rank count, and the group's board is not touched."""
+    if P < ranks:
+        pytest.skip(f"needs {ranks} ranks")
+    color = 0 if WORLD.rank < ranks else MPI.UNDEFINED
+    comm = WORLD.Split(color, WORLD.rank)
+    if comm == MPI.COMM_NULL:
+        return
+    group = Mesh(comm, {"x": ranks}, order="x").group("x")
+    halo = HaloExchange(Decomposition((4 * ranks, 6), {0: group}, True), 1)
+    pad = halo.empty()
+    board = halo._checks[0][2]
+    before, count = board.words_read, group._state.board.count
+    for _ in range(3):
+        halo.exchange(pad)
+    read = comm.allgather(board.words_read - before)
+    agree(read == [6] * ranks and group._state.board.count == count,
+          f"words read per rank in 3 exchanges {read}, group checks "
+          f"{group._state.board.count - count}", comm)
+    halo.free()
+    group.free()
+    comm.Free()
 
 
 @pytest.mark.skipif(P == 1, reason="needs two ranks")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_known_arrays_that_differ_between_ranks(mesh, layout):
     """Two shapes every rank has exchanged before, one on rank 0 and the other elsewhere:
-    every rank raises (the receives posted before the check are cancelled), and the next
-    exchange is right."""
+    rank 0 and its neighbours raise, the ranks beyond raise or return, nobody waits, and
+    the next exchange is right."""
     d = Decomposition((16, 24), split(mesh, layout), True)
     halo = HaloExchange(d, 1)
     full = field((2, 16, 24), seed=4)
@@ -342,8 +433,8 @@ def test_known_arrays_that_differ_between_ranks(mesh, layout):
         halo.inner(pad)[...] = d.take(full[:n])
         assert_equal(halo.exchange(pad), want[:n], f"exchange of {n} channels")
     for _ in range(2):
-        raises_everywhere(CollectiveMismatchError, "HaloExchange.exchange", halo.exchange,
-                          pads[1] if WORLD.rank == 0 else pads[2])
+        raises_around_rank0(halo, CollectiveMismatchError, "HaloExchange.exchange",
+                            halo.exchange, pads[1] if WORLD.rank == 0 else pads[2])
     for n, pad in pads.items():
         pad[...] = 0
         halo.inner(pad)[...] = d.take(full[:n])
@@ -355,7 +446,8 @@ def test_known_arrays_that_differ_between_ranks(mesh, layout):
 def test_the_previous_array_again_is_checked_as_it_is_now(mesh):
     """The repeated array takes the shortest path only while its shape, its direction and
     the label around the call are those of the call before: a leading axis reshaped in
-    place exchanges right, and a label that differs on one rank raises on every rank."""
+    place exchanges right, and a label that differs on rank 0 raises there and on its
+    neighbours."""
     d = Decomposition((16, 24), split(mesh, "grid"), True)
     halo = HaloExchange(d, 1)
     full = field((4, 16, 24), seed=6)
@@ -373,8 +465,8 @@ def test_the_previous_array_again_is_checked_as_it_is_now(mesh):
         halo.exchange(pad)
     for _ in range(2):
         with label("steps" if WORLD.rank == 0 else "others"):
-            raises_everywhere(CollectiveMismatchError, "HaloExchange.exchange",
-                              halo.exchange, pad)
+            raises_around_rank0(halo, CollectiveMismatchError, "HaloExchange.exchange",
+                                halo.exchange, pad)
     halo.free()
 
 

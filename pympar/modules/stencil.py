@@ -48,16 +48,19 @@ def _check_halo(layer: str, halo: Any, reach: Sequence[int]) -> None:
 
 
 def _checked(layer: Module, halo: HaloExchange, x: Any, what: str, dtype: Any,
-             shape: tuple[int, ...]) -> None:
-    """:func:`check_array`, refused in the agreement check of the spatial groups.
-
-    The other ranks are about to make the halo's (or the layer's) check, so a rank whose
-    array does not fit makes every rank raise instead of leaving them waiting.
-    """
+             shape: tuple[int, ...], whole_groups: bool = False) -> None:
+    """:func:`check_array`, refused in the agreement check the other ranks make next: the
+    halo's, with the neighbours (or, ``whole_groups``, the layer's own over the spatial
+    groups), so that a rank whose array does not fit makes them raise instead of leaving
+    them waiting."""
     try:
         check_array(layer, x, None, dtype, what=what, shape=shape)
     except (TypeError, ValueError) as err:
-        agree_all(halo.decomposition.split_groups(), (), f"{type(layer).__name__}.{what}", err)
+        shown = f"{type(layer).__name__}.{what}"
+        if whole_groups:
+            agree_all(halo.decomposition.split_groups(), (), shown, err)
+        with layer._labels["backward" if "gradient" in what else "forward"]:
+            halo.refuse(shown, err)
 
 
 def _is_array(x: Any) -> bool:
@@ -278,7 +281,7 @@ class HaloConv(Module):
         d = self.halo.decomposition
         batch, cells = padded.shape[0], math.prod(d.local_shape)
         shape = (batch, self.out_channels, *d.local_shape)
-        _checked(self, self.halo, dy, "output gradient", self.dtype, shape)
+        _checked(self, self.halo, dy, "output gradient", self.dtype, shape, whole_groups=True)
         with self._labels["backward"]:
             return self._backward(dy, padded, batch, cells)
 
