@@ -217,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                                   + ", ".join(f"{k} {v:.1f} us" for k, v in
                                               case["median_us"].items())
                                   + f"; pympar / raw Sendrecv {case['ratio']:.3f}")
+    nodes = common.nodes(WORLD)
     if WORLD.rank == 0:
         common.write_json(args.json, {"benchmark": "halo", "machine": info, "args": vars(args),
-                                      "ranks": WORLD.size, "target": TARGET, "cases": cases})
+                                      "ranks": WORLD.size, "nodes": nodes, "target": TARGET,
+                                      "cases": cases})
     return 0
 
 

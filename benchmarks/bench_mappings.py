@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import timed_parallel  # noqa: E402
+from benchmarks.common import nodes, timed_parallel  # noqa: E402
 from pympar import _board, mappings  # noqa: E402
 from pympar.collectives import balanced_sizes  # noqa: E402
 from pympar.mesh import Mesh  # noqa: E402
@@ -204,7 +204,7 @@ def handshake(comm: MPI.Intracomm) -> Callable[[], None] | None:
     of pympar's path around it.
     """
     board = _board.create(comm)
-    if board is None:
+    if board is None or not board.shared:
         return None
     slots, size, rank = board.slots, comm.Get_size(), comm.Get_rank()
     count = 0
@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['check_us']:9.2f} {row['floor_us'] or 0:9.2f} {row['mpi_us']:10.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"ranks": WORLD.size, "dtype": str(dtype), "repeats": args.repeats,
+            {"ranks": WORLD.size, "nodes": nodes(WORLD), "dtype": str(dtype),
+             "repeats": args.repeats,
              "mpi": MPI.Get_library_version().splitlines()[0].strip(), "rows": rows}, indent=1))
 
 

@@ -323,3 +323,14 @@ def say(comm: MPI.Comm, *parts: Any) -> None:
     if comm.Get_rank() == 0:
         print(*parts, flush=True)
         sys.stdout.flush()
+
+
+def nodes(comm: Any) -> int:
+    """How many nodes ``comm``'s ranks are on (``COMM_TYPE_SHARED``; collective): 2 under
+    MPICH's ``MPIR_CVAR_ODD_EVEN_CLIQUES=1``, which the cross-node jobs set."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    first = int(node.Get_rank() == 0)
+    node.Free()
+    return comm.allreduce(first)

@@ -2,7 +2,9 @@
 
 ``write_report(folder)`` reads whichever of ``mappings.json``, ``torch_comm.json``,
 ``mlp.json``, ``comm_volume_8.json``, ``comm_volume_27.json``, ``memory.json``,
-``attention.json``, ``checkpoint.json``, ``fft_{1,2,4}.json``, ``halo.json`` and ``runs.json`` exist in
+``attention.json``, ``checkpoint.json``, ``fft_{1,2,4}.json``, ``halo.json``, the jobs across two
+emulated nodes (``mappings_2nodes.json``, ``mappings_2nodes_4.json``, ``halo_2nodes.json``) and
+``runs.json`` exist in
 ``folder`` (a missing one is skipped) and writes ``results.md`` plus ``mappings.png``, ``torch_comm.png``,
 ``mlp.png``, ``comm_volume.png``, ``attention_memory.png`` and ``checkpoint.png`` there
 (plots only when matplotlib is installed; each records the SHA-256 of the JSON it is drawn
@@ -24,6 +26,7 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:
 
 from benchmarks import plot_mappings, plot_sources  # noqa: E402
 from benchmarks import report_features, report_fft, report_halo, report_mappings  # noqa: E402
+from benchmarks import report_nodes  # noqa: E402
 from benchmarks.report_format import load as _load  # noqa: E402
 from benchmarks.report_format import show_size  # noqa: E402
 from benchmarks.report_format import table as _table  # noqa: E402
@@ -339,6 +342,11 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
     halo = _load(folder, "halo.json")
     if halo:
         lines += report_halo.section_halo(halo)
+    across = [doc for name in ("mappings_2nodes", "mappings_2nodes_4")
+              if (doc := _load(folder, f"{name}.json"))]
+    halo_across = _load(folder, "halo_2nodes.json")
+    if across or halo_across:
+        lines += report_nodes.section_nodes(across, halo_across)
     written = (_plots(folder, mappings, torch_comm, mlp, volumes, attention, checkpoint)
                if plots else [])
     if written:
