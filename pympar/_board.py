@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .errors import ended_error, timeout_error, wait, yield_core
+from .errors import CollectiveTimeoutError, ended_error, timeout_error, wait, yield_core
 
 __all__ = ["Board", "NodeBoard", "create", "depart", "REFUSED", "DEPARTED"]
 
@@ -48,6 +48,10 @@ DEPARTED = 2  #: The signature of a rank that ended, in the leaders' exchange.
 MIXED = 4  # a node whose ranks' words differ, in the leaders' exchange
 _AGREE, _DISAGREE, _ENDED = 1, 0, 2  # verdicts: _ENDED + r, group rank r ended
 _LOW = 2**32 - 1
+#: Leaders up to this many exchange their words directly (each with each), beyond it in one
+#: Iallgather (logarithmic, but a leader that times out cannot tell whom it misses).
+DIRECT_LEADERS = 16
+_TAG = 46  # the leaders' direct words
 _LAST = 2**32 - 2  # the last check count before wrapping to 1 (even: parities alternate)
 _GONE = 2**32 - 1  # the count field of an ended rank's word: no check reaches it
 _LIVE: Any = weakref.WeakSet()  # the boards not yet freed, for depart()
@@ -112,7 +116,10 @@ class NodeBoard:
     node's leader (its lowest rank) waits for them, joins one 8-byte ``Iallgather`` among
     the leaders (its node's signature, or mixed, and a rank that ended), and writes the
     verdict (agree, disagree, rank ``r`` ended) where the node's other ranks wait for it.
-    Groups with one rank per node are all leaders: the one exchange.
+    Groups with one rank per node are all leaders: the one exchange. Up to
+    :data:`DIRECT_LEADERS` leaders send their word to each other leader instead (persistent
+    requests, the same one round trip), so that a leader that times out names the leaders
+    it did not hear from.
 
     Parameters
     ----------
@@ -125,15 +132,20 @@ class NodeBoard:
         This rank's index in ``members``.
     leaders : mpi4py.MPI.Intracomm or None
         The leaders' communicator, on the leader (None on the others).
+    leader_ranks : list of int
+        The group rank of each leader (by its rank in ``leaders``).
+    node_sizes : list of int
+        The ranks of the group on each leader's node.
     """
 
     __slots__ = ("memory", "slots", "halves", "verdicts", "members", "node_rank", "leaders",
-                 "mine", "table", "count", "__weakref__")
+                 "leader_ranks", "node_sizes", "mine", "table", "requests", "count", "__weakref__")
 
     shared = False
 
     def __init__(self, memory: mmap.mmap | None, members: list[int], node_rank: int,
-                 leaders: MPI.Intracomm | None) -> None:
+                 leaders: MPI.Intracomm | None, leader_ranks: list[int],
+                 node_sizes: list[int]) -> None:
         n = len(members)
         self.memory, self.members, self.node_rank, self.leaders = memory, members, node_rank, \
             leaders
@@ -141,8 +153,17 @@ class NodeBoard:
         self.slots = words.cast("Q")
         self.halves = (self.slots[:n], self.slots[n:2 * n])
         self.verdicts = self.slots[2 * n:2 * n + 2]
+        self.leader_ranks, self.node_sizes = leader_ranks, node_sizes
         self.mine = np.zeros(1, np.int64)
-        self.table = np.zeros(leaders.Get_size() if leaders is not None else 0, np.int64)
+        self.table = np.zeros(len(leader_ranks) if leaders is not None else 0, np.int64)
+        self.requests: list[MPI.Prequest] = []
+        if leaders is not None and len(leader_ranks) <= DIRECT_LEADERS:
+            me = leaders.Get_rank()
+            others = [q for q in range(len(leader_ranks)) if q != me]
+            self.requests = [leaders.Recv_init([self.table[q:q + 1], MPI.INT64_T], q, _TAG)
+                             for q in others]
+            self.requests += [leaders.Send_init([self.mine, MPI.INT64_T], q, _TAG)
+                              for q in others]
         self.count = 0
         _LIVE.add(self)
 
@@ -179,8 +200,22 @@ class NodeBoard:
                     value = MIXED
         self.mine[0] = value
         table = self.table
-        wait(self.leaders.Iallgather([self.mine, MPI.INT64_T], [table, MPI.INT64_T]),
-             what, group, timeout)
+        if self.requests:
+            table[self.leaders.Get_rank()] = value
+            MPI.Prequest.Startall(self.requests)
+            try:
+                wait(self.requests, what, group, timeout)
+            except CollectiveTimeoutError:
+                me = self.leaders.Get_rank()
+                heard = [q for q, r in zip([q for q in range(len(table)) if q != me],
+                                           self.requests) if not r.Test()]
+                raise timeout_error(what, group, timeout, None,
+                                    [self.leader_ranks[q] for q in heard],
+                                    across=any(self.node_sizes[q] > 1 for q in heard)) \
+                    from None
+        else:
+            wait(self.leaders.Iallgather([self.mine, MPI.INT64_T], [table, MPI.INT64_T]),
+                 what, group, timeout)
         ended = table >> 32
         if ended.any():
             verdict = _ENDED + int(ended[ended > 0][0]) - 1
@@ -221,7 +256,13 @@ class NodeBoard:
         self.halves[k & 1][self.node_rank] = _GONE << 32
         if self.leaders is not None:
             self.mine[0] = (self.members[0] + 1) << 32 | DEPARTED
-            self.leaders.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T])
+            if self.requests:
+                me = self.leaders.Get_rank()
+                for q in range(len(self.table)):
+                    if q != me:
+                        self.leaders.Isend([self.mine, MPI.INT64_T], q, _TAG)
+            else:
+                self.leaders.Iallgather([self.mine, MPI.INT64_T], [self.table, MPI.INT64_T])
 
     def free(self) -> None:
         """Unmap the words and free the leaders' communicator."""
@@ -231,6 +272,9 @@ class NodeBoard:
         if self.memory is not None:
             self.memory.close()
         if self.leaders is not None:
+            for request in self.requests:
+                request.Free()
+            self.requests = []
             self.leaders.Free()
             self.leaders = None
 
@@ -327,4 +371,7 @@ def create(comm: MPI.Intracomm) -> Board | NodeBoard | None:
     # Without shared memory (alike on every rank of a node) each rank is a node of its own.
     leader = members[0] == rank
     leaders = comm.Split(0 if leader else MPI.UNDEFINED, rank)
-    return NodeBoard(memory, members, members.index(rank), leaders if leader else None)
+    leader_ranks, node_sizes = zip(*leaders.allgather((rank, len(members)))) if leader else \
+        ((), ())
+    return NodeBoard(memory, members, members.index(rank), leaders if leader else None,
+                     list(leader_ranks), list(node_sizes))

@@ -63,10 +63,15 @@ def ended_error(operation: str, group: Any, ranks: list[int]) -> PeerEndedError:
 
 
 def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Request | None,
-                  missing: list[int] | None = None) -> CollectiveTimeoutError:
+                  missing: list[int] | None = None,
+                  across: bool = False) -> CollectiveTimeoutError:
     """The error of ``operation`` on ``group`` still pending after ``timeout`` s (``request``;
-    ``missing``: the group ranks that did not arrive, None when unknown)."""
-    who = (f"{where(group, *missing)} did not arrive" if missing else
+    ``missing``: the group ranks that did not arrive, None when unknown; ``across``: they
+    are the leaders of other nodes, which wait for their node's ranks)."""
+    who = (f"{where(group, *missing)}"
+           f"{', or a rank of its node,' if across and len(missing) == 1 else ''}"
+           f"{', or ranks of their nodes,' if across and len(missing) > 1 else ''}"
+           f" did not arrive" if missing else
            "another rank of the group has not reached it (a group across nodes cannot tell which)")
     error = CollectiveTimeoutError(
         f"{operation} on group {group.name!r} did not complete within {timeout:g} s "
