@@ -62,8 +62,10 @@ remove_stale_mpich_shm() {
 if [[ -n ${SLURM_JOB_ID:-} && ${SLURM_RESTART_COUNT:-0} != 0 ]]; then
   if [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]]; then
     remove_stale_mpich_shm "$SLURM_JOB_ID"
-  else  # every node of the job: one small task per node
-    srun --mpi=none --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" bash -c \
+  else  # every node of the job: one small task per node (--ntasks too: srun would take the
+        # job's SLURM_NTASKS for the task count and ignore --ntasks-per-node)
+    srun --mpi=none --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
+      --ntasks-per-node=1 bash -c \
       "$(declare -f mpich_shm_hash remove_stale_mpich_shm); remove_stale_mpich_shm $SLURM_JOB_ID" \
       || echo "requeue.sh: could not clear /dev/shm on every node (srun failed)" >&2
   fi
