@@ -1,23 +1,34 @@
 #!/usr/bin/env python3
-"""`make test-slurm`: the real batch scripts of examples/slurm under a real one-node Slurm.
+"""`make test-slurm`: the real batch scripts of examples/slurm under a real two-node Slurm.
 
 Run by scripts/test_slurm.sh once scripts/slurm_cluster.sh has started the daemons
-(SLURM_CONF set). Every job is the real ``examples/slurm/cpu.sbatch`` (or ``gpu.sbatch``)
-with only its ``EDIT:`` lines replaced: one node, 4 ranks, the partition, the PMI plugin
-(``pmi2``: the PyPI MPICH wheel), the time limit, the signal lead, the checkpoint
-directory and the program's flags (a small model). The checks:
+(SLURM_CONF set; two nodes, n1 and n2, both on this host). Every job is the real
+``examples/slurm/cpu.sbatch`` (or ``gpu.sbatch``) with only its ``EDIT:`` lines replaced:
+the nodes, 4 ranks, the partition, the PMI plugin (``pmi2``: the PyPI MPICH wheel), the time
+limit, the signal lead, the checkpoint directory, the layout and the program's flags (a small
+model). The checks:
 
 1. ``srun --mpi=none`` with 4 tasks: one error line naming ``--mpi=pmi2``; every task fails.
-2. A reference: the same training, uninterrupted (``srun --mpi=pmi2``).
-3. The time-limit job: Slurm's own ``--signal=B:USR1@lead`` stops it twice; each time every
-   rank saves, the program exits 75 and ``run_step`` requeues; before the third run the
-   check plants stale MPICH segments under this job's names and raises the time limit; the
-   third run completes. Final loss and validation error equal the reference's.
-4. The manual job: ``scancel --batch --signal=USR1`` (the batch shell) while it trains,
-   then ``scancel --signal=USR1`` (the steps only) while it trains, then a signal to the
-   batch shell while the ``pympar info`` step runs (before the training step exists): each
-   is requeued; the fourth run completes, equal to the reference.
-5. ``gpu.sbatch`` without CuPy: the job fails, with one line that names CuPy.
+2. Across nodes: under ``srun -N2 -n4 --mpi=pmi2`` MPI's ``COMM_TYPE_SHARED`` splits the
+   ranks as Slurm placed them (2+2 or 3+1), and the cross-node tests of ``make test``
+   (``scripts/test_phases.sh --nodes-tests``, NumPy variants) pass there with
+   ``PYMPAR_TEST_NODES=2``, ``tests/test_multinode.py`` taking the cross-node path.
+3. A reference: the same training, uninterrupted (``srun --mpi=pmi2``, placed as the jobs).
+4. The time-limit job, on two nodes (2 ranks on each, TP=2 x CP=2: the CP groups cross
+   them): Slurm's own ``--signal=B:USR1@lead`` stops it twice; each time every rank saves,
+   the program exits 75 and ``run_step`` requeues; before the third run the check plants
+   stale MPICH segments under this job's names on both nodes and raises the time limit; the
+   third run resumes under another layout (the mesh order reversed: every rank loads other
+   shards, and the TP groups cross the nodes; the LAYOUT line picks it from the restart
+   count) and completes. Final loss and validation error equal the reference's.
+5. The manual job, on two nodes as well: ``scancel --batch --signal=USR1`` (the batch shell)
+   while it trains, then ``scancel --signal=USR1`` (the steps only) while it trains, then a
+   signal to the batch shell while the ``pympar info`` step runs (before the training step
+   exists): each is requeued; the fourth run completes, equal to the reference.
+6. ``gpu.sbatch`` without CuPy: the job fails, with one line that names CuPy.
+
+Where scripts/slurm_cluster.sh could start only one node (``$SLURM_CI_DIR/one-node`` says
+why), check 2 says SKIPPED and why, and the jobs run on that one node.
 
 Every state a job passes through is recorded: never TIMEOUT, CANCELLED or FAILED (but for
 the GPU job, which must fail). A requeued job waits for its BeginTime: Slurm holds it back
@@ -41,19 +52,38 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: Written by scripts/slurm_cluster.sh where the second node could not be had: why.
+ONE_NODE = Path(os.environ.get("SLURM_CI_DIR", "/tmp/pympar-slurm")) / "one-node"
 SLURM = REPO / "examples" / "slurm"
 WORK = Path(os.environ.get("SLURM_CHECK_DIR", REPO / "out" / "slurm-check"))
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 RANKS = 4
+#: The layout of the jobs and the reference, and the one the time-limit job resumes under:
+#: the mesh order reversed, so that every rank resumes with other shards and the TP groups,
+#: inside a node before, cross the two nodes (2 ranks on each; the CP groups the other way).
+#: The same shards are computed, on other ranks: the losses stay equal bit for bit. (Other
+#: sizes, e.g. CP=4, resume as well, but sum in another order: after the change the losses
+#: drift apart, 1e-14 relative after 400 steps of this model, 1.5e-8 after 3300.)
+LAYOUT = ["--tp", "2", "--cp", "2"]
+OTHER_LAYOUT = ["--tp", "2", "--cp", "2", "--order", "cp-tp-dp"]
+#: Rank 0's TP and CP groups under each, as the program prints them ("groups  tp-0-1  ...").
+GROUPS, OTHER_GROUPS = "tp-0-1  cp-0-2", "tp-0-2  cp-0-1"
 #: The program's flags, the same for every job and the reference: a small model.
 MODEL = ["--batch", "8", "--grid", "16", "--hidden", "8", "--heads", "2", "--layers", "1",
          "--trajectories", "4", "--frames", "3", "--dtype", "float64", "--seed", "3"]
-#: Seconds of training (at the speed of 4 ranks alone) the jobs must take: more than the
-#: two windows between the start of a run and Slurm's signal (--time=2,
-#: --signal=B:USR1@60: the signal comes 30 to 60 s after the start, after the start-up of
-#: the training step, 60 s before the limit), the more so as the jobs and the reference
-#: share the machine.
-TRAINING_SECONDS = 80.0
+#: Seconds of training (at the speed of the jobs' 4 ranks alone, measured on their placement
+#: with their one BLAS thread per rank) the jobs must take: more than the two windows between
+#: the start of a run and Slurm's signal (--time=2, --signal=B:USR1@60: the signal comes 30
+#: to 60 s after the start, after the start-up of the training step, 60 s before the limit),
+#: since the reference runs beside the time-limit job all along, and the manual job too.
+TRAINING_SECONDS = 100.0
+#: Where the reference (and the calibration) runs: set by main to the jobs' placement (2 ranks
+#: on each of 2 nodes), whose speed sets the number of steps. The reductions of the TP=2 x
+#: CP=2 layout add two numbers each, alike in every order: the placement leaves the losses
+#: bit for bit the same.
+PLACEMENT: list[str] = []
+#: One BLAS thread per rank, as the batch scripts set it (srun passes the environment on).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 BAD_STATES = ("TIMEOUT", "CANCELLED", "FAILED", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
               "BOOT_FAIL", "DEADLINE")
 DONE_STATES = ("COMPLETED",) + BAD_STATES
@@ -83,12 +113,13 @@ def run(command: list[str], timeout: float = 600, **kwargs) -> subprocess.Comple
                           **kwargs)
 
 
-def mpich_shm_name(job: str, step: int) -> str:
-    """MPICH's segment of step ``step`` of job ``job`` on node 0 (FNV-1a of "job.step")."""
+def mpich_shm_name(job: str, step: int, node: int = 0) -> str:
+    """MPICH's segment of step ``step`` of job ``job`` on node ``node`` of the step (FNV-1a
+    of "job.step")."""
     value = 2166136261
     for byte in f"{job}.{step}".encode():
         value = ((value ^ byte) * 16777619) & 0xFFFFFFFF
-    return f"mpich_shm_{value:x}_0"
+    return f"mpich_shm_{value:x}_{node}"
 
 
 def edited(script: Path, overrides: dict[str, str | None]) -> str:
@@ -111,11 +142,18 @@ def edited(script: Path, overrides: dict[str, str | None]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_script(name: str, minutes: int, lead: int, steps: int) -> str:
+def cpu_script(name: str, minutes: int, lead: int, steps: int, nodes: int = 1,
+               other_layout_from: int | None = None) -> str:
+    """The CPU job on ``nodes`` nodes (RANKS ranks in all); from restart
+    ``other_layout_from`` on, under OTHER_LAYOUT."""
     flags = " ".join(MODEL + ["--steps", str(steps)])
+    layout = f"LAYOUT=({' '.join(LAYOUT)})"
+    if other_layout_from is not None:
+        layout += (f'; if (( ${{SLURM_RESTART_COUNT:-0}} >= {other_layout_from} )); then '
+                   f'LAYOUT=({" ".join(OTHER_LAYOUT)}); fi')
     return edited(SLURM / "cpu.sbatch", {
-        "#SBATCH --nodes": "#SBATCH --nodes=1",
-        "#SBATCH --ntasks-per-node": f"#SBATCH --ntasks-per-node={RANKS}",
+        "#SBATCH --nodes": f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node": f"#SBATCH --ntasks-per-node={RANKS // nodes}",
         "#SBATCH --time": f"#SBATCH --time={minutes}",
         "#SBATCH --partition": "#SBATCH --partition=ci",
         "#SBATCH --account": None,
@@ -124,6 +162,7 @@ def cpu_script(name: str, minutes: int, lead: int, steps: int) -> str:
         "module load": None,
         "SRUN_MPI=": "SRUN_MPI=pmi2",
         "CKPT_DIR=": f"CKPT_DIR={WORK / name / 'ckpt'}",
+        "LAYOUT=": layout,
         "PROGRAM=": f'PROGRAM=(examples/burgers.py "${{LAYOUT[@]}}" {flags})',
     })
 
@@ -147,10 +186,11 @@ def gpu_script() -> str:
     })
 
 
-def srun_burgers(mpi: str, flags: list[str], out: Path, timeout: float = 900):
-    return run(["srun", f"--mpi={mpi}", "-n", str(RANKS), "--cpus-per-task=1",
-                PYTHON, "-m", "mpi4py", "examples/burgers.py", "--tp", "2", "--cp", "2",
-                *flags, "--out", str(out)], timeout=timeout)
+def srun_burgers(mpi: str, flags: list[str], out: Path, timeout: float = 900,
+                 placement: tuple[str, ...] = ()):
+    return run(["srun", f"--mpi={mpi}", "-n", str(RANKS), *placement, "--cpus-per-task=1",
+                PYTHON, "-m", "mpi4py", "examples/burgers.py", *LAYOUT,
+                *flags, "--out", str(out)], timeout=timeout, env={**os.environ, **ONE_THREAD})
 
 
 class Job:
@@ -185,9 +225,10 @@ class Job:
         except FileNotFoundError:
             return ""
 
-    def steps(self) -> list[str]:
-        done = run(["squeue", "-h", "-s", "-j", self.id, "-o", "%i"])
-        return done.stdout.split()
+    def steps(self) -> dict[str, str]:
+        """The job's running steps: step id -> the name of its program."""
+        done = run(["squeue", "-h", "-s", "-j", self.id, "-o", "%i %j"])
+        return dict(line.split(None, 1) for line in done.stdout.splitlines() if " " in line)
 
     def poll(self) -> dict[str, str]:
         info = self.info()
@@ -266,7 +307,11 @@ def resumes(log: str) -> list[int]:
     return [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", log)]
 
 
-def check_finished_like_reference(job: Job, reference: dict, requeues: int) -> None:
+def check_finished_like_reference(job: Job, reference: dict, requeues: int,
+                                  layout_changed: bool = False) -> None:
+    """The job completed after ``requeues`` stops, its losses and validation error equal to
+    the uninterrupted ``reference``'s, bit for bit; with ``layout_changed``, its last run
+    under OTHER_LAYOUT (its groups as OTHER_GROUPS), the others under LAYOUT."""
     info = job.info()
     log = job.log()
     bad = [s for s in job.states if s.split("/")[0] in BAD_STATES]
@@ -297,8 +342,19 @@ def check_finished_like_reference(job: Job, reference: dict, requeues: int) -> N
             and metrics["val_rel_l2"] == reference["val_rel_l2"],
             f"{job.name}: final loss {metrics['final_loss']!r}, error {metrics['val_rel_l2']!r}"
             f" vs uninterrupted {reference['final_loss']!r}, {reference['val_rel_l2']!r}")
-    say(f"{job.name}: stopped at steps {stops(log)}, requeued {requeues} times, completed; "
-        f"final loss {metrics['final_loss']:.6g} and validation error "
+    layouts = ""
+    if layout_changed:
+        runs = job.runs()
+        groups = [re.findall(r"^groups  (\S+  \S+)", text, re.M)[:1] for text in runs]
+        expected = [[GROUPS]] * (len(runs) - 1) + [[OTHER_GROUPS]]
+        require(groups == expected and metrics["layout"]["order"] == OTHER_LAYOUT[-1],
+                f"{job.name}: the runs' TP and CP groups (rank 0's) {groups}, expected "
+                f"{expected}; the last run's layout {metrics['layout']}")
+        layouts = (f"; the last run resumed at step {resumes(log)[-1]} under "
+                   f"{' '.join(OTHER_LAYOUT)} (rank 0's groups {OTHER_GROUPS}, before "
+                   f"{GROUPS})")
+    say(f"{job.name}: stopped at steps {stops(log)}, requeued {requeues} times{layouts}, "
+        f"completed; final loss {metrics['final_loss']:.6g} and validation error "
         f"{metrics['val_rel_l2']:.6e} equal the uninterrupted run's; states {job.states}")
 
 
@@ -320,9 +376,71 @@ def check_pmi_mismatch() -> None:
         f"{sorted(failed)} failed")
 
 
+#: Run by every rank of a 4-task step on two nodes: rank, Slurm's node, MPI's node (the lowest
+#: rank of COMM_TYPE_SHARED's split).
+PROBE = """
+import os
+from mpi4py import MPI
+w = MPI.COMM_WORLD
+node = w.Split_type(MPI.COMM_TYPE_SHARED)
+rows = w.gather((w.Get_rank(), os.environ.get("SLURMD_NODENAME", "?"),
+                 node.allreduce(w.Get_rank(), op=MPI.MIN)))
+if w.Get_rank() == 0:
+    for row in rows:
+        print("rank %d slurm node %s mpi node %d" % row, flush=True)
+"""
+
+
+def check_cross_node_tests() -> None:
+    """``srun -N2 -n4``: MPI splits the ranks as Slurm placed them, and the cross-node tests
+    of make test pass, test_multinode.py's on the cross-node path (none skipped but the one
+    that starts its own job)."""
+    step = ["srun", "-N2", "-n", str(RANKS), "--mpi=pmi2", "--cpus-per-task=1"]
+    done = run([*step, PYTHON, "-c", PROBE], timeout=300)
+    rows = re.findall(r"rank (\d+) slurm node (\S+) mpi node (\d+)", done.stdout)
+    require(done.returncode == 0 and len(rows) == RANKS,
+            f"srun -N2 -n{RANKS} probe: status {done.returncode}\n{done.stdout[-2000:]}"
+            f"{done.stderr[-2000:]}")
+    slurm = {int(r): node for r, node, _ in rows}
+    mpi = {int(r): int(low) for r, _, low in rows}
+    same = all((slurm[a] == slurm[b]) == (mpi[a] == mpi[b]) for a in mpi for b in mpi)
+    sizes = sorted(list(mpi.values()).count(low) for low in set(mpi.values()))
+    require(len(set(slurm.values())) == 2 and same and sizes in ([2, 2], [1, 3]),
+            f"srun -N2 -n{RANKS}: Slurm placed the ranks on {slurm}, COMM_TYPE_SHARED split "
+            f"them by lowest rank {mpi}: not two nodes of 2+2 or 3+1 that agree")
+    sizes.reverse()
+    placed = " | ".join(" ".join(str(r) for r in sorted(slurm) if slurm[r] == node)
+                        for node in sorted(set(slurm.values())))
+    say(f"srun -N2 -n{RANKS} --mpi=pmi2: Slurm placed ranks {placed} on "
+        f"{', '.join(sorted(set(slurm.values())))}; COMM_TYPE_SHARED splits them alike "
+        f"({'+'.join(map(str, sizes))})")
+    files = run(["scripts/test_phases.sh", "--nodes-tests"]).stdout.split()
+    require(bool(files), "scripts/test_phases.sh --nodes-tests named no files")
+    env = dict(os.environ, PYMPAR_TEST_NODES="2", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    began = time.monotonic()
+    done = run([*step, PYTHON, "-m", "mpi4py", "-m", "pytest", "--with-mpi", "-q", "-rfEsp",
+                "-p", "no:cacheprovider", "-k", "not cupy", *files], timeout=1200, env=env)
+    output = done.stdout + done.stderr
+    (WORK / "cross-node.log").write_text(output, encoding="utf-8")
+    summary = re.findall(r"^=*\s*(\d+ passed.*?) in [\d.]+s", output, re.M)
+    passed = re.findall(r"^PASSED tests/test_multinode\.py::(\S+)", output, re.M)
+    skipped = re.findall(r"^SKIPPED \[\d+\] tests/test_multinode\.py:\d+: (.*)$", output, re.M)
+    require(done.returncode == 0 and summary and "failed" not in summary[-1]
+            and "error" not in summary[-1] and passed
+            and all("starts its own 2-rank job" in why for why in skipped),
+            f"the cross-node tests under srun -N2 -n{RANKS} (PYMPAR_TEST_NODES=2): status "
+            f"{done.returncode}, {summary[-1:] or 'no summary'}, test_multinode passed "
+            f"{passed}, skipped {skipped}; log in {WORK / 'cross-node.log'}\n"
+            f"{output[-3000:]}")
+    say(f"the cross-node tests ({len(files)} files, NumPy variants) under srun -N2 "
+        f"-n{RANKS}: {summary[-1]} in {time.monotonic() - began:.0f} s; test_multinode.py's "
+        f"{len(passed)} tests on the ranks passed (cross-node path taken)")
+
+
 def reference_run(steps: int) -> dict:
     out = WORK / f"reference-{steps}"
-    done = srun_burgers("pmi2", MODEL + ["--steps", str(steps)], out)
+    done = srun_burgers("pmi2", MODEL + ["--steps", str(steps)], out, placement=PLACEMENT)
     require(done.returncode == 0, f"reference run failed:\n{done.stdout[-2000:]}"
             f"{done.stderr[-2000:]}")
     return json.loads((out / "metrics.json").read_text())
@@ -335,10 +453,11 @@ class Reference:
         self.out = WORK / f"reference-{steps}"
         self.log = open(WORK / "reference.log", "w")
         self.proc = subprocess.Popen(
-            ["srun", "--mpi=pmi2", "-n", str(RANKS), "--cpus-per-task=1", PYTHON, "-m",
-             "mpi4py", "examples/burgers.py", "--tp", "2", "--cp", "2", *MODEL,
+            ["srun", "--mpi=pmi2", "-n", str(RANKS), *PLACEMENT, "--cpus-per-task=1", PYTHON,
+             "-m", "mpi4py", "examples/burgers.py", *LAYOUT, *MODEL,
              "--steps", str(steps), "--out", str(self.out)],
-            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, **ONE_THREAD})
 
     def result(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -374,13 +493,22 @@ def main() -> int:
     jobs: list[Job] = []
     try:
         check_pmi_mismatch()
+        one_node = ONE_NODE.read_text().strip() if ONE_NODE.exists() else None
+        nodes = 1 if one_node else 2
+        if one_node:
+            say(f"two-node checks SKIPPED: {one_node}; the jobs run on one node")
+        else:
+            check_cross_node_tests()
+        PLACEMENT[:] = ["-N", str(nodes), f"--ntasks-per-node={RANKS // nodes}"]
         calibration = reference_run(200)
         step = calibration["median_step_seconds"]
         steps = int(min(max(TRAINING_SECONDS / step, 400), 40000))
-        say(f"{step * 1e3:.1f} ms per step on {RANKS} ranks: the jobs train {steps} steps")
+        say(f"{step * 1e3:.1f} ms per step on {RANKS} ranks ({' '.join(PLACEMENT)}): the jobs "
+            f"train {steps} steps")
 
-        timed = Job("time-limit", cpu_script("time-limit", 2, 60, steps))
-        manual = Job("manual", cpu_script("manual", 30, 10, steps))
+        timed = Job("time-limit", cpu_script("time-limit", 2, 60, steps, nodes=nodes,
+                                             other_layout_from=2))
+        manual = Job("manual", cpu_script("manual", 30, 10, steps, nodes=nodes))
         gpu = Job("gpu", gpu_script())
         jobs = [timed, manual, gpu]
         background = Reference(steps)
@@ -389,19 +517,23 @@ def main() -> int:
 
         def before_third_run() -> None:
             # What a run killed before MPI_Finalize leaves: segments named for this job's
-            # steps, with garbage in them. Without the clean-up the next MPI_Init hangs.
+            # steps on both its nodes (one /dev/shm here), with garbage in them. Without the
+            # clean-up the next MPI_Init hangs.
             for step_id in range(3):
-                path = Path("/dev/shm") / mpich_shm_name(timed.id, step_id)
-                path.write_bytes(os.urandom(1 << 21))
-                planted.append(path)
+                for node in range(nodes):
+                    path = Path("/dev/shm") / mpich_shm_name(timed.id, step_id, node)
+                    path.write_bytes(os.urandom(1 << 21))
+                    planted.append(path)
             # The third run must finish: a time limit that no longer comes.
             run(["scontrol", "update", f"JobId={timed.id}", "TimeLimit=30"])
             say(f"time-limit: planted {[p.name for p in planted]}; time limit now 30 min")
 
         timed.before_release[2] = before_third_run
-        segment = Path("/dev/shm") / mpich_shm_name(timed.id, 1)
-        seen_segment = []
-        WATCHERS.append(lambda: seen_segment.append(1) if segment.exists() else None)
+        # MPICH's own segments of the training step (step 1), one per node of the job.
+        segments = [Path("/dev/shm") / mpich_shm_name(timed.id, 1, node)
+                    for node in range(nodes)]
+        seen_segment: set = set()
+        WATCHERS.append(lambda: seen_segment.update(p.name for p in segments if p.exists()))
 
         # The manual job, watched while the time-limit job runs beside it.
         manual.wait_training(0, 600)
@@ -410,9 +542,11 @@ def main() -> int:
         manual.wait_training(1, 600)
         manual.signal()                               # to the job steps only
         manual.wait_restarts(2, 300)
+        # Its first program (after requeue.sh's clean-up of /dev/shm, a bash step on two
+        # nodes) is pympar info; the training step comes after it.
         manual.wait("the info step of run 2",
-                    lambda i: i.get("Restarts") == "2" and f"{manual.id}.0" in manual.steps(),
-                    600, every=0.1)
+                    lambda i: i.get("Restarts") == "2"
+                    and "python" in manual.steps().values(), 600, every=0.1)
         manual.signal("--batch")                      # before the training step starts
         manual.wait_restarts(3, 600)
 
@@ -423,16 +557,28 @@ def main() -> int:
         say(f"uninterrupted run of {steps} steps: final loss {reference['final_loss']:.6g}, "
             f"validation error {reference['val_rel_l2']:.6e}")
 
-        check_finished_like_reference(timed, reference, 2)
-        require(seen_segment, f"MPICH's segment of the training step, {segment.name}, never "
-                "appeared: the clean-up looks for the wrong names")
+        info = timed.info()
+        require("Ignoring --ntasks-per-node" not in timed.log(),
+                "time-limit: the clean-up step did not run one task per node:\n"
+                + timed.log()[-3000:])
+        require(info.get("NumNodes") == str(nodes)
+                and info.get("NodeList") == ("n[1-2]" if nodes == 2 else "n1"),
+                f"time-limit: ran on {info.get('NumNodes')} node(s) {info.get('NodeList')}, "
+                f"not on {nodes}")
+        check_finished_like_reference(timed, reference, 2, layout_changed=True)
+        require(seen_segment == {p.name for p in segments},
+                f"MPICH's segments of the training step on the job's nodes, "
+                f"{[p.name for p in segments]}, did not all appear (seen: {seen_segment}): "
+                f"the clean-up looks for the wrong names")
         log = timed.log()
-        removed = re.findall(r"run_step: removing /dev/shm/(\S+),", log)
-        require(sorted(removed) == sorted(p.name for p in planted)
+        # Both nodes' clean-up tasks look into the one /dev/shm: a file may be named twice.
+        removed = sorted(set(re.findall(r"run_step: removing /dev/shm/(\S+),", log)))
+        require(removed == sorted(p.name for p in planted)
                 and not any(p.exists() for p in planted),
                 f"planted {[p.name for p in planted]}, removed {removed}")
-        say(f"time-limit: the stale segments {removed} were removed and the third run did "
-            f"not hang; {segment.name} (step 1) was MPICH's own name")
+        say(f"time-limit: on nodes {info.get('NodeList')}; the stale segments {removed} were "
+            f"removed (one task per node) and the third run did not hang; "
+            f"{sorted(seen_segment)} (step 1, one per node) were MPICH's own names")
 
         check_finished_like_reference(manual, reference, 3)
         runs = manual.runs()
@@ -465,7 +611,9 @@ def main() -> int:
         for path in Path("/dev/shm").glob("mpich_shm_*"):
             if any(path.name == mpich_shm_name(job.id, s) for job in jobs for s in range(64)):
                 path.unlink(missing_ok=True)
-    say(f"all Slurm checks passed in {time.monotonic() - began:.0f} s")
+    say(f"all Slurm checks passed in {time.monotonic() - began:.0f} s"
+        + (f" (the two-node checks SKIPPED: {ONE_NODE.read_text().strip()})"
+           if ONE_NODE.exists() else ""))
     return 0
 
 

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# A one-node Slurm on this machine, for `make test-slurm`: installed from the distribution's
-# packages, configured in a directory of its own, started and stopped again.
+# A two-node Slurm on this machine, for `make test-slurm`: installed from the distribution's
+# packages, configured in a directory of its own, started and stopped again. The two nodes,
+# n1 and n2, are two slurmd on this host (`slurmd -N n1`, `slurmd -N n2`, each on a port of its
+# own): a job of --nodes=2 gets tasks on both, and an MPI under srun sees two nodes (PMI's
+# process mapping), though they share the host's cores and /dev/shm. Where the second slurmd
+# cannot run (or SLURM_CI_NODES=1), n1 alone: $SLURM_CI_DIR/one-node says why.
 #   scripts/slurm_cluster.sh up      install slurm-wlm and munge (apt), write slurm.conf, start
-#                                    munged, slurmctld and slurmd; prints the SLURM_CONF to use
+#                                    munged, slurmctld and both slurmd; prints the SLURM_CONF
 #   scripts/slurm_cluster.sh down    stop the daemons that `up` started (and only those)
 # `up` exits 3 (after saying why) where Slurm cannot be installed or started: not root, no
 # apt-get, no package, a daemon that does not come up. Needs root; writes only under
@@ -32,17 +36,17 @@ install_packages() {
 write_config() {
   local host cpus
   host=$(hostname -s)
-  # 16 CPUs whatever the machine has (config_overrides): the check's jobs of 4 ranks each run
-  # side by side, their ranks sharing the real cores.
+  # 16 CPUs per node whatever the machine has (config_overrides): the check's jobs of 4 ranks
+  # each run side by side, their ranks sharing the real cores.
   cpus=$(( $(nproc) > 16 ? $(nproc) : 16 ))
-  rm -rf "$DIR/state" "$DIR/spool" "$DIR/log"   # a fresh cluster each time ...
+  rm -rf "$DIR/state" "$DIR/spool" "$DIR/log" "$DIR/one-node"  # a fresh cluster each time ...
   # ... whose job ids never repeat an earlier one's, as on a real cluster: a job id and step
   # id name MPICH's shared memory, and a killed earlier job of the same id would have left
   # its segment behind for the new one to hang on.
   local first=$(( $(date +%s) / 10 % 60000000 + 1000 ))
   mkdir -p "$DIR/etc" "$DIR/state" "$DIR/spool" "$DIR/log"
   cat >"$CONF" <<EOF
-# Written by scripts/slurm_cluster.sh: one node, this host, daemons as root.
+# Written by scripts/slurm_cluster.sh: two nodes on this host, daemons as root.
 ClusterName=pympar-ci
 SlurmctldHost=$host
 SlurmUser=root
@@ -57,9 +61,9 @@ AuthInfo=cred_expire=20
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/slurmd-%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -76,8 +80,9 @@ KillWait=30
 MinJobAge=600
 FirstJobId=$first
 InactiveLimit=0
-NodeName=$host CPUs=$cpus RealMemory=1000 State=UNKNOWN
-PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP
+NodeName=n1 NodeHostname=$host NodeAddr=$host Port=16818 CPUs=$cpus RealMemory=1000 State=UNKNOWN
+NodeName=n2 NodeHostname=$host NodeAddr=$host Port=16819 CPUs=$cpus RealMemory=1000 State=UNKNOWN
+PartitionName=ci Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -96,18 +101,37 @@ start_daemons() {
   fi
   slurmctld -c -f "$CONF" || skip "slurmctld did not start (see $DIR/log/slurmctld.log)"
   echo slurmctld >>"$DIR/started"
-  slurmd -f "$CONF" || skip "slurmd did not start (see $DIR/log/slurmd.log)"
-  echo slurmd >>"$DIR/started"
-  for _ in $(seq 100); do
-    if sinfo -h -o %T 2>/dev/null | grep -qE '^idle'; then
-      echo "slurm_cluster: Slurm $(sinfo -V | cut -d' ' -f2) up on $(hostname -s);" \
-           "export SLURM_CONF=$CONF"
-      return
-    fi
+  # n1 is needed; without n2 the cluster runs on one node and says why in $DIR/one-node
+  # (scripts/slurm_check.py then skips its two-node checks, saying so).
+  slurmd -f "$CONF" -N n1 || skip "slurmd -N n1 did not start (see $DIR/log/slurmd-n1.log)"
+  echo "slurmd n1" >>"$DIR/started"
+  if [[ ${SLURM_CI_NODES:-2} == 1 ]]; then
+    echo "SLURM_CI_NODES=1: the cluster has one node" >"$DIR/one-node"
+  elif slurmd -f "$CONF" -N n2 2>"$DIR/log/slurmd-n2.err"; then
+    echo "slurmd n2" >>"$DIR/started"
+  else
+    echo "a second slurmd (slurmd -N n2) did not start on this host: $(tail -n 1 \
+      "$DIR/log/slurmd-n2.err") (see $DIR/log/slurmd-n2.log)" >"$DIR/one-node"
+  fi
+  local idle
+  for _ in $(seq 150); do
+    idle=$(sinfo -h -N -o '%N %T' 2>/dev/null | awk '$2 == "idle" {print $1}' | sort | xargs) \
+      || true
+    if [[ $idle == "n1 n2" ]] || [[ $idle == n1* && -f $DIR/one-node ]]; then break; fi
     sleep 0.2
   done
-  sinfo -N -l >&2 || true
-  skip "the node did not become idle (see $DIR/log/)"
+  if [[ $idle != n1* ]]; then
+    sinfo -N -l >&2 || true
+    skip "node n1 did not become idle (see $DIR/log/)"
+  elif [[ $idle != "n1 n2" && ! -f $DIR/one-node ]]; then
+    echo "node n2 (a second slurmd on this host) did not become idle: $(sinfo -h -n n2 \
+      -o '%T %E' 2>/dev/null) (see $DIR/log/slurmd-n2.log)" >"$DIR/one-node"
+  fi
+  if [[ -f $DIR/one-node ]]; then
+    echo "slurm_cluster: one node only: $(cat "$DIR/one-node")" >&2
+  fi
+  echo "slurm_cluster: Slurm $(sinfo -V | cut -d' ' -f2) up: node(s) $idle on $(hostname -s);" \
+       "export SLURM_CONF=$CONF"
 }
 
 stop_one() {  # pid file, name
@@ -127,13 +151,17 @@ stop_daemons() {
     scancel --state=RUNNING --user="$(id -un)" 2>/dev/null || true
     scancel --user="$(id -un)" 2>/dev/null || true
   fi
-  grep -q slurmd "$DIR/started" && stop_one "$DIR/slurmd.pid" slurmd
+  local node
+  for node in $(sed -n 's/^slurmd //p' "$DIR/started"); do
+    stop_one "$DIR/slurmd-$node.pid" "slurmd -N $node"
+  done
+  grep -qx slurmd "$DIR/started" && stop_one "$DIR/slurmd.pid" slurmd   # an older one-node up
   grep -q slurmctld "$DIR/started" && stop_one "$DIR/slurmctld.pid" slurmctld
   if grep -q munged "$DIR/started"; then
     stop_one /run/munge/munged.pid munged
   fi
   rm -f "$DIR/started"
-  echo "slurm_cluster: stopped $(hostname -s)'s Slurm daemons"
+  echo "slurm_cluster: stopped the Slurm daemons on $(hostname -s)"
 }
 
 case "${1:-}" in
