@@ -209,7 +209,7 @@ class NodeBoard:
                 me = self.leaders.Get_rank()
                 heard = [q for q, r in zip([q for q in range(len(table)) if q != me],
                                            self.requests) if not r.Test()]
-                raise timeout_error(what, group, timeout, None,
+                raise timeout_error(what, group, timeout, list(self.requests),
                                     [self.leader_ranks[q] for q in heard],
                                     across=any(self.node_sizes[q] > 1 for q in heard)) \
                     from None
@@ -281,11 +281,13 @@ class NodeBoard:
 
 def _await_word(half: memoryview, at: int, k: int, group: Any, what: str,
                 timeout: float | None, deadline: float | None, members: list[int] | None = None,
-                ended_too: bool = False) -> int:
+                ended_too: bool = False, alone: bool = False) -> int:
     """Poll word ``at`` of ``half`` until it carries check ``k`` (tight, then yielding the
     core and driving MPI's progress); an ended rank's word is returned with ``ended_too``,
     else raises :class:`~pympar.errors.PeerEndedError`. ``members``: the group ranks of the
-    words (default: word ``q`` is rank ``q``)."""
+    words (default: word ``q`` is rank ``q``). The errors name every rank whose word is
+    late or ended, or with ``alone`` that of word ``at`` only (the others' may rightly lag:
+    a neighbour check reads only the neighbours')."""
     for _ in range(_TIGHT):
         seen = half[at]
         if seen >> 32 == k:
@@ -301,12 +303,12 @@ def _await_word(half: memoryview, at: int, k: int, group: Any, what: str,
         if gone and ended_too:
             return seen
         if gone or deadline is not None and time.monotonic() >= deadline:
-            counts = [w >> 32 for w in half.tolist()]
             name = members.__getitem__ if members is not None else int
+            counts = [w >> 32 for w in half.tolist()]
             if gone:
-                raise ended_error(what, group, [name(r) for r, c in enumerate(counts)
-                                                if c == _GONE])
-            raise timeout_error(what, group, timeout, None,
+                raise ended_error(what, group, [name(at)] if alone else
+                                  [name(r) for r, c in enumerate(counts) if c == _GONE])
+            raise timeout_error(what, group, timeout, None, [name(at)] if alone else
                                 [name(r) for r, c in enumerate(counts) if c != k])
 
 

@@ -23,13 +23,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _board
-from .errors import ended_error, timeout_error, wait, yield_core
+from .errors import ended_error, wait
 
 __all__ = ["NeighbourBoard"]
 
 #: The tag of the words sent to neighbours on other nodes, and of the mismatch report.
 WORD_TAG, REPORT_TAG = 43, 44
-_TIGHT = 200
 
 
 class NeighbourBoard:
@@ -59,7 +58,7 @@ class NeighbourBoard:
         words = memoryview(memory if memory is not None else bytearray(16)).cast("Q")
         n = len(members)
         self.halves = (words[:n], words[n:2 * n])
-        self.slot = members.index(rank)
+        self.slot, self.members = members.index(rank), members
         self.local = [(members.index(r), r) for r in self.neighbours if r in members]
         self.remote = [r for r in self.neighbours if r not in members]
         self.word = np.zeros(1, np.int64)
@@ -87,7 +86,9 @@ class NeighbourBoard:
         for at, r in self.local:
             seen = half[at]
             if seen >> 32 != k:
-                seen = self._await(half, at, r, k, group, what, timeout)
+                deadline = None if timeout is None else time.monotonic() + timeout
+                seen = _board._await_word(half, at, k, group, what, timeout, deadline,
+                                          self.members, alone=True)
             if seen != word:
                 differ.append(r)
         if requests:
@@ -99,26 +100,6 @@ class NeighbourBoard:
                     differ.append(r)
         self.words_read += len(self.neighbours)
         return differ
-
-    def _await(self, half: memoryview, at: int, r: int, k: int, group: Any, what: str,
-               timeout: float | None) -> int:
-        """Poll neighbour ``r``'s word (slot ``at``) until it carries check ``k``."""
-        for _ in range(_TIGHT):
-            seen = half[at]
-            if seen >> 32 == k:
-                return seen
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poke = group.comm.Iprobe
-        while True:
-            yield_core()
-            poke()
-            seen = half[at]
-            if seen >> 32 == k:
-                return seen
-            if seen >> 32 == _board._GONE:
-                raise ended_error(what, group, [r])
-            if deadline is not None and time.monotonic() >= deadline:
-                raise timeout_error(what, group, timeout, None, [r])
 
     def depart(self) -> None:
         """Mark this rank ended where its neighbours read its next word."""

@@ -31,13 +31,14 @@ class CollectiveTimeoutError(RuntimeError):
 
     Attributes
     ----------
-    request : mpi4py.MPI.Request or None
+    request : mpi4py.MPI.Request, list of them, or None
         The still pending operation. It completes if the missing ranks join later
-        (``request.Wait()``); until then the group must not be used. None when the wait
-        was the shared-memory agreement check (nothing is pending in MPI then).
+        (``request.Wait()``, or ``MPI.Request.Waitall(request)`` for a list: the words a
+        node's leader sends each other leader); until then the group must not be used. None
+        when the wait was in shared memory (nothing is pending in MPI then).
     """
 
-    request: MPI.Request | None = None
+    request: MPI.Request | list[MPI.Request] | None = None
 
 
 class PeerEndedError(CollectiveTimeoutError):
