@@ -31,11 +31,6 @@ NODES_TESTS=(tests/test_multinode.py tests/test_agreement.py tests/test_collecti
              tests/test_watchdog.py tests/test_faults.py)
 NODES_JOBS=(tests/test_multinode.py tests/test_watchdog.py tests/test_faults.py
             tests/test_debug.py)
-# They expect a shared board's report, which names the late rank; across nodes the check
-# cannot tell which rank is late, and says so (pympar/_board.py MessageBoard).
-NODES_JOBS_DESELECT=(
-  tests/test_watchdog.py::test_a_mapping_that_one_rank_calls_while_the_other_is_busy
-  tests/test_watchdog.py::test_should_stop_on_some_ranks_only)
 if [[ ${1:-} == --nodes-tests ]]; then echo "${NODES_TESTS[*]}"; exit 0; fi
 if [[ $# -lt 3 ]]; then echo "usage: $0 PYTHON \"RANKS\" PYTEST_ARGS..." >&2; exit 2; fi
 python=$1 ranks=$2; shift 2
@@ -113,8 +108,6 @@ if w.Get_rank() == 0:
 if [[ ${TEST_NODES_PHASE:-0} == 1 ]]; then
   options=()   # the pytest arguments less the paths to test (make test's "tests")
   for arg in "$@"; do [[ -e $arg ]] || options+=("$arg"); done
-  deselect=()
-  for id in "${NODES_JOBS_DESELECT[@]}"; do deselect+=(--deselect "$id"); done
   why=$(nodes_unavailable)
   if [[ -n $why ]]; then
     skip_phase "4 ranks, 2 emulated nodes" "$why"
@@ -126,7 +119,7 @@ if [[ ${TEST_NODES_PHASE:-0} == 1 ]]; then
     run_phase "2-rank jobs, 2 emulated nodes" env MPIR_CVAR_ODD_EVEN_CLIQUES=1 \
       MPICH_ODD_EVEN_CLIQUES=1 PYMPAR_TEST_NODES=2 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
       timeout --kill-after=10 "$limit" "$python" -m mpi4py "${options[@]}" -k "not cupy" \
-      "${deselect[@]}" "${NODES_JOBS[@]}"
+      "${NODES_JOBS[@]}"
   fi
 fi
 
