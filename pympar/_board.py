@@ -52,6 +52,7 @@ _LOW = 2**32 - 1
 #: Iallgather (logarithmic, but a leader that times out cannot tell whom it misses).
 DIRECT_LEADERS = 16
 _TAG = 46  # the leaders' direct words
+_startall, _testall = MPI.Prequest.Startall, MPI.Request.Testall
 _LAST = 2**32 - 2  # the last check count before wrapping to 1 (even: parities alternate)
 _GONE = 2**32 - 1  # the count field of an ended rank's word: no check reaches it
 _LIVE: Any = weakref.WeakSet()  # the boards not yet freed, for depart()
@@ -139,7 +140,7 @@ class NodeBoard:
     """
 
     __slots__ = ("memory", "slots", "halves", "verdicts", "members", "node_rank", "leaders",
-                 "leader_ranks", "node_sizes", "mine", "table", "requests", "count", "__weakref__")
+                 "leader_ranks", "node_sizes", "me", "mine", "table", "requests", "count", "__weakref__")
 
     shared = False
 
@@ -157,9 +158,9 @@ class NodeBoard:
         self.mine = np.zeros(1, np.int64)
         self.table = np.zeros(len(leader_ranks) if leaders is not None else 0, np.int64)
         self.requests: list[MPI.Prequest] = []
+        self.me = leaders.Get_rank() if leaders is not None else -1
         if leaders is not None and len(leader_ranks) <= DIRECT_LEADERS:
-            me = leaders.Get_rank()
-            others = [q for q in range(len(leader_ranks)) if q != me]
+            others = [q for q in range(len(leader_ranks)) if q != self.me]
             self.requests = [leaders.Recv_init([self.table[q:q + 1], MPI.INT64_T], q, _TAG)
                              for q in others]
             self.requests += [leaders.Send_init([self.mine, MPI.INT64_T], q, _TAG)
@@ -199,32 +200,37 @@ class NodeBoard:
                 if seen != word:
                     value = MIXED
         self.mine[0] = value
-        table = self.table
-        if self.requests:
-            table[self.leaders.Get_rank()] = value
-            MPI.Prequest.Startall(self.requests)
-            try:
-                wait(self.requests, what, group, timeout)
-            except CollectiveTimeoutError:
-                me = self.leaders.Get_rank()
-                heard = [q for q, r in zip([q for q in range(len(table)) if q != me],
-                                           self.requests) if not r.Test()]
-                raise timeout_error(what, group, timeout, list(self.requests),
-                                    [self.leader_ranks[q] for q in heard],
-                                    across=any(self.node_sizes[q] > 1 for q in heard)) \
-                    from None
+        table, requests = self.table, self.requests
+        if requests:
+            table[self.me] = value
+            _startall(requests)
+            for _ in range(_TIGHT):  # the words come within microseconds: no wait()'s frame
+                if _testall(requests):
+                    break
+            else:
+                self._wait_direct(group, what, timeout)
         else:
             wait(self.leaders.Iallgather([self.mine, MPI.INT64_T], [table, MPI.INT64_T]),
                  what, group, timeout)
-        ended = table >> 32
-        if ended.any():
-            verdict = _ENDED + int(ended[ended > 0][0]) - 1
-        elif table.min() == sig == table.max():
+        words = table.tolist()
+        if words.count(sig) == len(words):  # (a node's sig only when it is not mixed)
             verdict = _AGREE
         else:
-            verdict = _DISAGREE
+            ended = [w >> 32 for w in words if w >> 32]
+            verdict = _ENDED + ended[0] - 1 if ended else _DISAGREE
         self.verdicts[k & 1] = k << 32 | verdict
         return verdict
+
+    def _wait_direct(self, group: Any, what: str, timeout: float | None) -> None:
+        """Wait for the other leaders' words; a timeout names those not heard from."""
+        try:
+            wait(self.requests, what, group, timeout)
+        except CollectiveTimeoutError:
+            others = [q for q in range(len(self.table)) if q != self.me]
+            heard = [q for q, r in zip(others, self.requests) if not r.Test()]
+            raise timeout_error(what, group, timeout, list(self.requests),
+                                [self.leader_ranks[q] for q in heard],
+                                across=any(self.node_sizes[q] > 1 for q in heard)) from None
 
     def _await_verdict(self, k: int, group: Any, what: str, timeout: float | None) -> int:
         """A rank that is not its node's leader: the verdict of check ``k``."""
