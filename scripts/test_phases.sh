@@ -51,11 +51,13 @@ run_phase() {  # run_phase NAME COMMAND...: run it, its output both shown and ke
   names+=("$name")
   times+=("$((SECONDS - start)) s")
   # pytest -q ends with a line like "812 passed, 9 skipped in 95.1s" (rank 0's, under MPI).
+  # Under Open MPI's mpirun the log holds NUL bytes (grep -a) and pytest's colours (removed).
   local summary
-  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)' "$log" \
+  summary=$(sed -E $'s/\x1b\\[[0-9;]*m//g' "$log" \
+            | grep -aE '^(=+ )?[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)' \
             | tail -n 1 | sed -E 's/^=+ //; s/ in [0-9.]+s.*$//')
   counts+=("${summary:-no pytest summary}")
-  cupy+=("$(grep -m 1 '^CuPy stand-in:' "$log")")
+  cupy+=("$(grep -a -m 1 '^CuPy stand-in:' "$log")")
   if [[ $status -eq 0 ]]; then
     results+=("passed")
   else

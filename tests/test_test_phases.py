@@ -28,6 +28,11 @@ if [[ $1 == -c ]]; then echo "emulated nodes: ${FAKE_NODES:-0 1 0 1}"; exit 0; f
 echo "args: $* nodes=${PYMPAR_TEST_NODES:-} alias=${MPICH_ODD_EVEN_CLIQUES:-}"
 echo "CuPy stand-in: $n CuPy tests passed on it on $n rank(s), 0 failed, 0 skipped"
 if [[ " $FAIL_ON " == *" $n "* ]]; then echo "1 failed, 2 passed in 0.10s"; exit 1; fi
+# As under Open MPI's mpirun: a NUL byte in the output, pytest's summary in colour.
+if [[ -n ${FAKE_COLOUR:-} ]]; then
+  printf '\\0\\n\\033[32m3 passed\\033[0m, \\033[33m1 skipped\\033[0m\\033[32m in 0.10s\\033[0m\\n'
+  exit 0
+fi
 echo "3 passed, 1 skipped in 0.10s"
 """
 LAUNCHER = """#!/usr/bin/env bash
@@ -85,6 +90,16 @@ def test_passing_phases_say_so_and_a_later_failure_fails_the_run(tmp_path):
     assert done.stdout.rstrip().splitlines()[-1].startswith("make test: all 3 phases passed in ")
     done = _phases(tmp_path, fail_on="4")
     assert done.returncode == 1 and "4 ranks: FAILED (status 1)" in " ".join(done.stdout.split())
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(WORLD.size > 1, reason="runs once, in the singleton phase of make test")
+def test_the_summary_reads_a_coloured_log_with_nul_bytes(tmp_path):
+    done = _phases(tmp_path, fail_on="", FAKE_COLOUR="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = _summary(done)
+    assert [line.split(":", 1)[1].split()[:4] for line in summary[:3]] == [
+        ["passed", "(3", "passed,", "1"]] * 3, summary
 
 
 @pytest.mark.mpi(min_size=1)
