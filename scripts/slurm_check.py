@@ -577,7 +577,7 @@ def main() -> int:
                 and not any(p.exists() for p in planted),
                 f"planted {[p.name for p in planted]}, removed {removed}")
         say(f"time-limit: on nodes {info.get('NodeList')}; the stale segments {removed} were "
-            f"removed (one task per node) and the third run did not hang; "
+            f"removed by requeue.sh (on every node of the job) and the third run did not hang; "
             f"{sorted(seen_segment)} (step 1, one per node) were MPICH's own names")
 
         check_finished_like_reference(manual, reference, 3)
