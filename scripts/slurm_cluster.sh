@@ -77,7 +77,9 @@ SlurmdParameters=config_overrides
 JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/log/jobcomp.log
 KillWait=30
-MinJobAge=600
+# Ended jobs stay known to slurmctld for an hour: the check asks about the GPU job, which
+# fails at once, when the others have ended (with 600 s it had been forgotten under load).
+MinJobAge=3600
 FirstJobId=$first
 InactiveLimit=0
 NodeName=n1 NodeHostname=$host NodeAddr=$host Port=16818 CPUs=$cpus RealMemory=1000 State=UNKNOWN
