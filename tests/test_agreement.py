@@ -20,6 +20,7 @@ from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywh
 from pympar import _board, collectives, debug, manager, mappings
 from pympar.debug import CollectiveMismatchError, CollectiveTimeoutError, debug_mode
 from pympar.group import Group
+from pympar.errors import where as named
 from pympar.mesh import Mesh
 
 PATHS = ("shared", "messages")
@@ -124,7 +125,7 @@ def test_a_rank_that_calls_fewer_collectives_times_out(path):
             said = "rank 1 (global 1) did not arrive" if last == 1 else \
                 f"ranks 1-{last} (global 1-{last}) did not arrive"
         elif len(board.members) > 1:  # its node's missing ranks, waited for first
-            said = "(global " + ", ".join(str(r) for r in board.members[1:]) + ") did not arrive"
+            said = f"{named(group, *board.members[1:])} did not arrive"
         elif board.requests:  # the leaders it did not hear from
             said = " did not arrive"
         else:  # more leaders than exchange directly: the Iallgather cannot tell which
