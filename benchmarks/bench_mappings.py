@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             timing = measure(group, raw, mpi_only, ours, args.repeats, args.warmup,
                              meet if communicates else None)
             rows.append({"op": name, "bytes": nbytes, "communicates": communicates, **timing})
+    on_nodes = nodes(WORLD)  # collective: before the ranks but 0 return
     if WORLD.rank != 0:
         return
     header = f"{'op':40} {'size':>7} {'raw us':>10} {'pympar us':>10} {'ratio':>6} " \
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['check_us']:9.2f} {row['floor_us'] or 0:9.2f} {row['mpi_us']:10.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"ranks": WORLD.size, "nodes": nodes(WORLD), "dtype": str(dtype),
+            {"ranks": WORLD.size, "nodes": on_nodes, "dtype": str(dtype),
              "repeats": args.repeats,
              "mpi": MPI.Get_library_version().splitlines()[0].strip(), "rows": rows}, indent=1))
 
