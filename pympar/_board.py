@@ -25,12 +25,14 @@ import mmap
 import os
 import secrets
 import time
+import zlib
 import weakref
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from . import errors
 from .errors import CollectiveTimeoutError, ended_error, timeout_error, wait, yield_core
 
 __all__ = ["Board", "NodeBoard", "create", "depart", "REFUSED", "DEPARTED"]
@@ -40,8 +42,6 @@ SHARED_DIR = "/dev/shm"
 #: Whether ranks on one node share memory for the check (read when a group is created;
 #: tests switch it off to take the path across nodes: every rank a node of its own).
 SHARED = True
-#: Polls of a tight spin before each further poll yields the core.
-_TIGHT = 200
 #: The signature of a rank that refuses its own arguments (calls' signatures are odd).
 REFUSED = 0
 DEPARTED = 2  #: The signature of a rank that ended, in the leaders' exchange.
@@ -204,7 +204,7 @@ class NodeBoard:
         if requests:
             table[self.me] = value
             _startall(requests)
-            for _ in range(_TIGHT):  # the words come within microseconds: no wait()'s frame
+            for _ in range(errors.SPINS):  # the words come within microseconds: no wait()'s frame
                 if _testall(requests):
                     break
             else:
@@ -235,7 +235,7 @@ class NodeBoard:
     def _await_verdict(self, k: int, group: Any, what: str, timeout: float | None) -> int:
         """A rank that is not its node's leader: the verdict of check ``k``."""
         verdicts, at = self.verdicts, k & 1
-        for _ in range(_TIGHT):
+        for _ in range(errors.SPINS):
             seen = verdicts[at]
             if seen >> 32 == k:
                 return seen & _LOW
@@ -294,7 +294,7 @@ def _await_word(half: memoryview, at: int, k: int, group: Any, what: str,
     words (default: word ``q`` is rank ``q``). The errors name every rank whose word is
     late or ended, or with ``alone`` that of word ``at`` only (the others' may rightly lag:
     a neighbour check reads only the neighbours')."""
-    for _ in range(_TIGHT):
+    for _ in range(errors.SPINS):
         seen = half[at]
         if seen >> 32 == k:
             return seen
@@ -360,6 +360,19 @@ def _map_shared(comm: MPI.Intracomm, nbytes: int) -> mmap.mmap | None:
     return None
 
 
+def _outnumber_cores(comm: MPI.Intracomm) -> bool:
+    """Whether the ranks of ``comm`` on this rank's host outnumber the cores they may run on
+    (collective). By host name rather than ``COMM_TYPE_SHARED``: emulated nodes share one
+    host's cores; ranks bound to a core each do not count as sharing."""
+    host = comm.Split(zlib.crc32(MPI.Get_processor_name().encode()) & 0x7FFFFFFF, comm.Get_rank())
+    try:
+        affinity = getattr(os, "sched_getaffinity", None)
+        mine = affinity(0) if affinity else set(range(os.cpu_count() or 1))
+        return host.Get_size() > len(set().union(*host.allgather(mine)))
+    finally:
+        host.Free()
+
+
 def create(comm: MPI.Intracomm) -> Board | NodeBoard | None:
     """The board of ``comm`` (collective): None for one rank; a :class:`Board` when every rank
     shares a node; else a :class:`NodeBoard` over the ranks' nodes (``COMM_TYPE_SHARED``),
@@ -367,6 +380,8 @@ def create(comm: MPI.Intracomm) -> Board | NodeBoard | None:
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         return None
+    if _outnumber_cores(comm):
+        errors.share_cores()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED) if SHARED else comm.Split(rank, 0)
     try:
         n = node.Get_size()

@@ -273,6 +273,40 @@ def test_a_waiting_rank_keeps_mpi_progressing(group):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("binding", ["none", "a core each", "all on one core"])
+def test_ranks_that_outnumber_their_cores_yield_from_the_first_poll(binding, monkeypatch):
+    """A waiting rank spins before it yields only where the host's ranks have a core each:
+    where they share cores, the rank it waits for may need its core (``errors.SPINS``
+    drops to 1 when a group is created there; sticky, so reset here)."""
+    from pympar import errors
+
+    before = os.sched_getaffinity(0)
+    masks = WORLD.allgather(sorted(before))
+    if binding != "none" and any(m != masks[0] for m in masks):
+        pytest.skip("the launcher bound the ranks already")
+    cores = masks[0]
+    pinned = {"none": before, "a core each": {cores[WORLD.rank % len(cores)]},
+              "all on one core": {cores[0]}}[binding]
+    names = WORLD.allgather(MPI.Get_processor_name())
+    on_host = names.count(MPI.Get_processor_name())
+    used = set().union(*(m for m, n in zip(WORLD.allgather(sorted(pinned)), names)
+                         if n == MPI.Get_processor_name()))
+    monkeypatch.setattr(errors, "SPINS", 200)
+    os.sched_setaffinity(0, pinned)
+    try:
+        g = Mesh(WORLD, {"w": WORLD.size}).group("w", key=f"cores {binding}")
+    finally:
+        os.sched_setaffinity(0, before)
+    try:
+        expected = 1 if on_host > len(used) else 200
+        agree(errors.SPINS == expected, f"{on_host} ranks on {len(used)} cores: SPINS "
+              f"{errors.SPINS}, expected {expected}")
+        assert_equal(g.all_reduce(np.ones(2)), np.full(2, float(g.size)), "sum")
+    finally:
+        g.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_no_shared_directory_falls_back_on_every_rank(monkeypatch):
     """Without the directory (or with a name too long to send) every rank takes the
     message path, and the check still works."""
