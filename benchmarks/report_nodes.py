@@ -38,7 +38,7 @@ def section_nodes(mappings: list[dict[str, Any]], halo: dict[str, Any] | None) -
                          f"{r['check_us']:.1f}"])
     if rows:
         lines += table(["job", "operation", "per rank", "raw us", "pympar us", "ratio",
-                        "target", "check us"], rows)
+                        "target", "check us"], rows) + [""]
     if halo:
         cases = halo.get("cases", [])
         lines += table(["field (parts)", "faces", "pympar us", "raw Sendrecv us",
@@ -47,7 +47,7 @@ def section_nodes(mappings: list[dict[str, Any]], halo: dict[str, Any] | None) -
                          f"({'x'.join(map(str, c['parts']))})", show_size(c["face_bytes_max"]),
                          f"{c['median_us']['pympar']:.1f}",
                          f"{c['median_us']['raw_sendrecv']:.1f}", f"{c['ratio']:.3f}",
-                         f"<= {HALO_TARGET:g}"] for c in cases])
+                         f"<= {HALO_TARGET:g}"] for c in cases]) + [""]
         missed += [f"halo {'x'.join(map(str, c['shape']))} {c['layout']}" for c in cases
                    if c["ratio"] > HALO_TARGET]
     lines += [f"Targets: {'met' if not missed else 'missed by ' + ', '.join(missed)}.", ""]
