@@ -226,6 +226,22 @@ _LAYERS: Calls = {
     _M + "RowParallelLinear.__init__": {**_LINEAR, "input_is_parallel": _IN},
     _M + "RowParallelLinear.forward": {"x": _INPUT},
     _M + "RowParallelLinear.backward": {"dy": _DY, "dbias": _DBIAS},
+    _M + "VocabParallelEmbedding.__init__": {
+        "num_embeddings": _IN, "embedding_dim": _IN, "use_sequence_parallel": _IN,
+        "init_method": _INIT, "dtype": _DTYPE, "group": _TP, "seed": _INIT, "xp": _XP},
+    _M + "VocabParallelEmbedding.forward": {
+        "ids": _label("the forward's agreement compares their dtype and shape, and whether "
+                      "a rank refused them (an id outside the vocabulary); their values are "
+                      "the data, the same on every rank")},
+    _M + "VocabParallelEmbedding.backward": {"dy": _DY},
+    _M + "VocabParallelCrossEntropy.__init__": {
+        "vocab_size": _IN, "label_smoothing": _IN, "ignore_index": _IN, "dtype": _DTYPE,
+        "group": _TP},
+    _M + "VocabParallelCrossEntropy.forward": {
+        "logits": _INPUT,
+        "target": _label("its shape and dtype are in the forward's agreement (extra), and "
+                         "whether a rank refused it (a class outside the vocabulary); its "
+                         "values are the data, the same on every rank")},
     _M + "Linear3D.__init__": {
         "in_features": _IN, "out_features": _IN, "bias": _IN, "swap": _SWAP,
         "init_method": _INIT, "dtype": _DTYPE, "seed": _INIT, "layout": _LAYOUT, "xp": _XP,
@@ -422,6 +438,8 @@ OUTSIDE: dict[str, str] = {
     **{_M + f"{n}.{m}": _SERIAL for n in ("Linear", "GELU", "ReLU", "LayerNorm",
                                           "SoftmaxCrossEntropy", "MSELoss")
        for m in ("__init__", "forward", "backward")},
+    _M + "VocabParallelCrossEntropy.backward": "communicates nothing: this rank's block of "
+                                               "the softmax from the forward, scaled by grad",
     **{_M + f"Dropout.{m}": "communicates nothing: its mask is drawn from this rank's own "
        "stream (seed, rank)" for m in ("__init__", "forward", "backward")},
     "pympar.optim.Optimizer.__init__": _NOTHING,

@@ -22,6 +22,7 @@ from pympar.halo import HaloExchange
 from pympar.modules import (ColumnParallelLinear, ContextAttention, DistributedAttention,
                             HaloConv, Laplacian, LayerNorm3D, Linear3D, ParallelAttention,
                             RowParallelLinear, SpectralBlock, SpectralConv, SpectralConv2d,
+                            VocabParallelCrossEntropy, VocabParallelEmbedding,
                             split_context_group)
 
 
@@ -34,7 +35,7 @@ class Spec:
     base: dict[str, Any]
     other: dict[str, Any]
     x: Callable[[Any], Any]
-    forward: Callable[[Any, Any], Any] = field(default=lambda layer, x: layer.forward(x))
+    forward: Callable[..., Any] = field(default=lambda layer, x, **kw: layer.forward(x, **kw))
     #: Its forward's check is a halo exchange's, with the neighbours only: the ranks beyond
     #: may return from a forward whose neighbours raised, so the case ends there.
     neighbours: bool = False
@@ -132,8 +133,39 @@ SPECS: dict[str, Spec] = {
         {"hidden": 8, "dtype": np.float64},
         {"hidden": 12, "eps": 1e-3, "swap": True, "dtype": np.float32, "input_grad": False},
         lambda layer: layer.layout.split_input(np.ones((8, layer.hidden), layer.dtype))),
+    "VocabParallelEmbedding": Spec(
+        lambda ctx, **kw: VocabParallelEmbedding(group=ctx.group(), **kw),
+        {"num_embeddings": 3 * _p() + 1, "embedding_dim": 4, "dtype": np.float64},
+        {"num_embeddings": 3 * _p() + 2, "embedding_dim": 5, "use_sequence_parallel": True,
+         "init_method": "xavier_uniform", "seed": 1, "dtype": np.float32},
+        lambda layer: (np.arange(2 * _p() * 3) % layer.num_embeddings).reshape(2 * _p(), 3)),
+    "VocabParallelCrossEntropy": Spec(
+        lambda ctx, **kw: VocabParallelCrossEntropy(group=ctx.group(), **kw),
+        {"vocab_size": 3 * _p() + 1, "dtype": np.float64},
+        {"vocab_size": 3 * _p() + 2, "label_smoothing": 0.1, "ignore_index": 0,
+         "dtype": np.float32},
+        lambda layer: np.ones((4, 2, layer.vocab_range.stop - layer.vocab_range.start),
+                              layer.dtype),
+        forward=lambda layer, logits: layer.forward(logits, _targets(layer, logits.shape[:-1]))),
 }
-_OTHER_DTYPE = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float64}
+_OTHER_DTYPE = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float64,
+                np.dtype(np.int64): np.int32, np.dtype(np.int32): np.int64}
+
+
+def _targets(layer: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Classes of every kind for a cross-entropy: each rank's block, and one ignored."""
+    t = np.arange(int(np.prod(shape))) % layer.vocab_size
+    t[0] = layer.ignore_index
+    return t.reshape(shape)
+
+
+def _other_targets(ctx: Context) -> Any:
+    """The cross-entropy with targets of another dtype on the last rank."""
+    spec = SPECS["VocabParallelCrossEntropy"]
+    layer = spec.make(ctx, **spec.base)
+    logits = spec.x(layer)
+    target = _targets(layer, logits.shape[:-1])
+    return layer.forward(logits, ctx.pick(target, target.astype(np.int32)))
 
 
 def _layer_case(spec: Spec, method: str, param: str) -> Callable[[Context], Any]:
@@ -147,13 +179,13 @@ def _layer_case(spec: Spec, method: str, param: str) -> Callable[[Context], Any]
         layer = spec.make(ctx, **kwargs)
         x = spec.x(layer)
         extra = {}
-        if method == "forward" and param in ("x", "u"):
+        if method == "forward" and param in ("x", "u", "ids", "logits"):
             x = ctx.pick(x, x.astype(_OTHER_DTYPE[x.dtype]))
         if param == "key_lengths":
             extra["key_lengths"] = ctx.pick([x.shape[0]], [1])
         failed = None
         try:
-            y = _first(layer.forward(x, **extra))
+            y = _first(spec.forward(layer, x, **extra))
         except Exception as err:  # noqa: BLE001 - raised below, once the others know
             failed = err
         # Its neighbours raised in the forward: a rank beyond returned, and goes no further.
@@ -194,3 +226,4 @@ def _split(ctx: Context) -> Any:
 
 
 CASES[("pympar.modules.split_context_group", "ulysses_size")] = _split
+CASES[("pympar.modules.VocabParallelCrossEntropy.forward", "target")] = _other_targets

@@ -18,6 +18,7 @@ from .activations import GELU, Dropout, ReLU
 from .normalization import LayerNorm
 from .losses import MSELoss, SoftmaxCrossEntropy
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .vocab_parallel import VocabParallelCrossEntropy, VocabParallelEmbedding
 from .layers_3d import LayerNorm3D, Layout3D, Linear3D, layout_3d
 from .attention import DistributedAttention, ParallelAttention
 from .blockwise import sequence_segments
@@ -34,6 +35,8 @@ __all__ = [
     "Linear",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelCrossEntropy",
     "Linear3D",
     "LayerNorm3D",
     "Layout3D",

@@ -515,6 +515,10 @@ less less_equal equal not_equal allclose isclose array_equal count_nonzero nonze
 sort argsort unique searchsorted nan_to_num real imag conj
 """.split())
 
+#: The ufuncs whose ``at`` method (unbuffered in-place, repeated indices applied each
+#: time) CuPy 14 has, as ``cupy.add.at``.
+_UFUNCS_WITH_AT = frozenset({"add", "subtract", "maximum", "minimum"})
+
 #: Names CuPy shares with NumPy that are not functions of device arrays.
 _CONSTANTS = frozenset("""
 float16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 uint64 bool_ complex64
@@ -533,6 +537,12 @@ def __getattr__(name: str) -> Any:
         def kernel(*args: Any, **kwargs: Any) -> Any:
             return _kernel(func, *args, **kwargs)
         kernel.__name__ = name
+        if name in _UFUNCS_WITH_AT:
+            def at(a: Any, indices: Any, b: Any = None) -> None:
+                if not isinstance(a, ndarray):
+                    raise TypeError(f"cupy.{name}.at takes a cupy.ndarray, got {type(a)}")
+                _kernel(func.at, a, indices, *(() if b is None else (b,)))
+            kernel.at = at  # type: ignore[attr-defined]
         globals()[name] = kernel
         return kernel
     raise AttributeError(f"the CuPy stand-in has no {name!r} (add it to tests/fakecupy/cupy "
