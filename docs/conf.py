@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 DOCS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DOCS)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(DOCS, "_ext"))  # mathml, pagechecks
 
 import pympar  # noqa: E402
 
@@ -27,11 +28,13 @@ version = ".".join(release.split(".")[:2])
 
 extensions = [
     "sphinx.ext.autodoc",
-    "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
     "sphinx.ext.intersphinx",
     "numpydoc",
+    "mathml",       # maths as MathML, drawn by the browser: no script, no network
+    "pagechecks",   # the built pages load nothing from another host; code fits the column
 ]
+html_math_renderer = "mathml"
 
 # Links into the Python, NumPy and mpi4py docs. Their inventories are fetched when the
 # sites can be reached; offline, a copy saved as _inventories/<name>.inv is used
@@ -71,6 +74,9 @@ intersphinx_mapping = intersphinx_for()
 intersphinx_timeout = 10
 
 autodoc_member_order = "bysource"
+# Defaults as written in the source (``xp=np``), not their repr (a module's path on the
+# machine that built the pages).
+autodoc_preserve_defaults = True
 # With automodule :members:, numpydoc's own member tables would describe every
 # method a second time.
 numpydoc_show_class_members = False
@@ -83,6 +89,8 @@ html_title = f"pympar {release}"
 html_theme_options = {
     "description": "MPI-native DP, CP, TP and 3D tensor parallelism for NumPy and CuPy",
     "fixed_sidebar": True,
+    # 820 px of code text: lines of pagechecks.CODE_COLUMNS (88) characters fit whole.
+    "page_width": "1160px",
 }
 
 
@@ -140,7 +148,27 @@ def _generate() -> None:
         f.write(f"{shown}\n{done.stdout}")
 
 
+def mapping_signature(app, what, name, obj, options, signature, return_annotation):
+    """The call signature of a layout mapping, from the keywords its forward step takes
+    (a mapping is an object whose ``__call__`` takes ``**options``)."""
+    import inspect
+
+    from pympar.mappings import Mapping
+
+    if not isinstance(obj, Mapping):
+        return None
+    step = obj._step
+    keywords = inspect.signature(step).parameters
+    shown = ["x", "group=None", "*", "out=None"]
+    if step.gathered is not None:
+        shown.append("global_size=None")
+    shown += [f"{name}={keywords[name].default!r}" for name in keywords
+              if name in step.options]
+    return f"({', '.join(shown)})", None
+
+
 def setup(app) -> None:
     """Sphinx hook: draw the pictures and run the tools before the pages are read."""
+    app.connect("autodoc-process-signature", mapping_signature)
     _draw_layouts()
     _generate()

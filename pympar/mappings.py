@@ -355,50 +355,236 @@ def _alone(step: Step, name: str, x: Any, out: Any, global_size: Any,
 
 _SEQ, _HEADS = Sharded(SEQUENCE, "seq_axis"), Sharded(HIDDEN, "head_axis")
 
+# Each mapping's docstring: its parameters and result (the call signature the API pages show
+# comes from its steps). group, out and the backward are as in _Direction.__call__.
+_TP = """group : Group, optional
+        The group; the current tensor-parallel group when None.
+    out : array, optional
+        Where to write the result (a buffer reused across calls spares an allocation)."""
+_CP = _TP.replace("tensor-parallel", "context-parallel")
+_AXES = """seq_axis : int, default 0
+        The sequence axis.
+    head_axis : int, default -1
+        The head (or hidden) axis."""
+
 #: Every mapping, in the order of the documentation.
 MAPPINGS: tuple[Mapping, ...] = (
     Mapping("copy_to_all", _identity, _all_reduce, Replicated(), Partial(), "tensor",
-            "Forward: identity (a replicated input used by every rank). "
-            "Backward: all-reduce (sum) of the per-rank gradients."),
+            f"""Forward: identity (a replicated input used by every rank). Backward:
+    all-reduce (sum) of the per-rank gradients.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        The replicated input, the same on every rank of the group.
+    {_TP}
+
+    Returns
+    -------
+    array
+        ``x`` itself (or ``out``), which each rank goes on to use in its own way.
+
+    Notes
+    -----
+    ``copy_to_all.backward(dy, group=None, *, out=None)`` sums every rank's ``dy``.
+    """),
     Mapping("reduce_from_all", _all_reduce, _identity, Partial(), Replicated(), "tensor",
-            "Forward: all-reduce (sum) of per-rank partial results. Backward: identity."),
+            f"""Forward: all-reduce (sum) of per-rank partial results. Backward: identity.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's partial result, of the full shape (the value meant is the sum).
+    {_TP}
+
+    Returns
+    -------
+    array
+        The sum over the group's ranks, the same on every rank.
+
+    Notes
+    -----
+    ``reduce_from_all.backward(dy, group=None, *, out=None)`` returns ``dy`` itself.
+    """),
     Mapping("scatter_to_hidden", _keep_block(HIDDEN), _gather(HIDDEN), Replicated(),
             Sharded(HIDDEN), "tensor",
-            "Forward: keep my block of the last axis. Backward: all-gather the last axis "
-            "(``global_size=`` the global extent)."),
+            f"""Forward: keep my block of the last axis. Backward: all-gather the last axis.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        The replicated input.
+    {_TP}
+
+    Returns
+    -------
+    array
+        This rank's block of ``x``'s last axis (balanced rule; a C-contiguous copy).
+
+    Notes
+    -----
+    ``scatter_to_hidden.backward(dy, group=None, *, out=None, global_size=None)``
+    all-gathers the blocks; ``global_size`` is the last axis's global extent.
+    """),
     Mapping("gather_from_hidden", _gather(HIDDEN), _keep_block(HIDDEN), Sharded(HIDDEN),
             Replicated(), "tensor",
-            "Forward: all-gather the last axis (``global_size=`` the global extent). "
-            "Backward: keep my block of the last axis."),
+            f"""Forward: all-gather the last axis. Backward: keep my block of the last axis.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's block of the last axis.
+    {_TP}
+    global_size : int, optional
+        The global extent of the last axis; without it the ranks learn each other's
+        blocks in one small exchange.
+
+    Returns
+    -------
+    array
+        The whole array, the same on every rank.
+
+    Notes
+    -----
+    ``gather_from_hidden.backward(dy, group=None, *, out=None)`` keeps this rank's block.
+    """),
     Mapping("reduce_scatter_to_hidden", _reduce_scatter(HIDDEN), _gather(HIDDEN), Partial(),
             Sharded(HIDDEN), "tensor",
-            "Forward: reduce-scatter (sum) along the last axis. Backward: all-gather the "
-            "last axis (``global_size=`` the global extent)."),
+            f"""Forward: reduce-scatter (sum) along the last axis. Backward: all-gather the
+    last axis.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's partial result, of the full shape.
+    {_TP}
+
+    Returns
+    -------
+    array
+        This rank's block of the last axis of the sum over the ranks.
+
+    Notes
+    -----
+    ``reduce_scatter_to_hidden.backward(dy, group=None, *, out=None, global_size=None)``
+    all-gathers the blocks; ``global_size`` is the last axis's global extent.
+    """),
     Mapping("scatter_to_sequence", _keep_block(SEQUENCE), _gather(SEQUENCE), Replicated(),
             Sharded(SEQUENCE), "tensor",
-            "Forward: keep my block of axis 0 (a view when ``x`` is C-contiguous). "
-            "Backward: all-gather axis 0 (``global_size=`` the global extent)."),
+            f"""Forward: keep my block of axis 0. Backward: all-gather axis 0.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        The replicated input.
+    {_TP}
+
+    Returns
+    -------
+    array
+        This rank's block of axis 0 (balanced rule; a view when ``x`` is C-contiguous).
+
+    Notes
+    -----
+    ``scatter_to_sequence.backward(dy, group=None, *, out=None, global_size=None)``
+    all-gathers the blocks; ``global_size`` is the global extent of axis 0.
+    """),
     Mapping("gather_from_sequence", _gather(SEQUENCE), _reduce_scatter_or_keep(SEQUENCE),
             Sharded(SEQUENCE), Partial(unless="tensor_parallel_output_grad"), "tensor",
-            "Forward: all-gather axis 0 (``global_size=`` the global extent). Backward: "
-            "reduce-scatter axis 0, or keep my block with "
-            "``tensor_parallel_output_grad=False`` (when the forward's output is used as "
-            "one replicated value; the ranks first agree that every one keeps)."),
+            f"""Forward: all-gather axis 0. Backward: reduce-scatter axis 0, or keep my block.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's block of axis 0.
+    {_TP}
+    global_size : int, optional
+        The global extent of axis 0; without it the ranks learn each other's blocks in
+        one small exchange.
+
+    Returns
+    -------
+    array
+        The whole array, which each rank goes on to use in its own way.
+
+    Notes
+    -----
+    ``gather_from_sequence.backward(dy, group=None, *, out=None,
+    tensor_parallel_output_grad=True)`` sums the ranks' ``dy`` and keeps this rank's
+    block of axis 0 (a reduce-scatter); with ``tensor_parallel_output_grad=False`` (the
+    forward's output used as one replicated value) it keeps the block without a sum,
+    after the ranks agree that every one keeps.
+    """),
     Mapping("reduce_scatter_to_sequence", _reduce_scatter(SEQUENCE), _gather(SEQUENCE),
             Partial(), Sharded(SEQUENCE), "tensor",
-            "Forward: reduce-scatter (sum) along axis 0. Backward: all-gather axis 0 "
-            "(``global_size=`` the global extent)."),
+            f"""Forward: reduce-scatter (sum) along axis 0. Backward: all-gather axis 0.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's partial result, of the full shape.
+    {_TP}
+
+    Returns
+    -------
+    array
+        This rank's block of axis 0 of the sum over the ranks.
+
+    Notes
+    -----
+    ``reduce_scatter_to_sequence.backward(dy, group=None, *, out=None, global_size=None)``
+    all-gathers the blocks; ``global_size`` is the global extent of axis 0.
+    """),
     Mapping("all_to_all_from_sequence_to_hidden", _all_to_all(True), _all_to_all(False),
             _SEQ, _HEADS, "context",
-            "Forward: [S/P, ..., H] -> [S, ..., H/P] over the context-parallel group: split "
-            "the head axis (``head_axis``, default last), gather the sequence axis "
-            "(``seq_axis``, default 0; ``global_size=`` the global S). Backward: the "
-            "inverse (``global_size=`` the global H)."),
+            f"""Forward: ``[S/P, ..., H] -> [S, ..., H/P]`` over the context-parallel group.
+    Backward: the inverse.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        This rank's block of the sequence axis, every head.
+    {_CP}
+    global_size : int, optional
+        The global sequence length ``S``.
+    {_AXES}
+
+    Returns
+    -------
+    array
+        The whole sequence, this rank's block of the head axis (balanced rule).
+
+    Notes
+    -----
+    ``all_to_all_from_sequence_to_hidden.backward(dy, group=None, *, out=None,
+    global_size=None, seq_axis=0, head_axis=-1)`` is the inverse all-to-all
+    (``global_size`` the global ``H``).
+    """),
     Mapping("all_to_all_from_hidden_to_sequence", _all_to_all(False), _all_to_all(True),
             _HEADS, _SEQ, "context",
-            "Forward: [S, ..., H/P] -> [S/P, ..., H] over the context-parallel group: split "
-            "the sequence axis, gather the head axis (``global_size=`` the global H). "
-            "Backward: the inverse (``global_size=`` the global S)."),
+            f"""Forward: ``[S, ..., H/P] -> [S/P, ..., H]`` over the context-parallel group.
+    Backward: the inverse.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        The whole sequence, this rank's block of the head axis.
+    {_CP}
+    global_size : int, optional
+        The global head extent ``H``.
+    {_AXES}
+
+    Returns
+    -------
+    array
+        This rank's block of the sequence axis, every head.
+
+    Notes
+    -----
+    ``all_to_all_from_hidden_to_sequence.backward(dy, group=None, *, out=None,
+    global_size=None, seq_axis=0, head_axis=-1)`` is the inverse all-to-all
+    (``global_size`` the global ``S``).
+    """),
 )
 
 (copy_to_all, reduce_from_all, scatter_to_hidden, gather_from_hidden, reduce_scatter_to_hidden,

@@ -51,6 +51,20 @@ def balanced_sizes(n: int, parts: int) -> tuple[int, ...]:
 def block_slice(n: int, parts: int, index: int) -> slice:
     """Block ``index`` of ``n`` items split over ``parts`` like :func:`numpy.array_split`.
 
+    Parameters
+    ----------
+    n : int
+        Number of items (>= 0).
+    parts : int
+        Number of ranks (>= 1).
+    index : int
+        The rank whose block is wanted (``0 <= index < parts``).
+
+    Returns
+    -------
+    slice
+        The block's range of items (empty when ``n < parts`` leaves the rank none).
+
     Examples
     --------
     >>> block_slice(5, 3, 2)
@@ -68,6 +82,22 @@ def strided_slices(n: int, parts: int, index: int, stride: int = 1) -> list[slic
     the balanced rule, then each sub-array is split over the ``parts`` ranks by the same rule;
     a rank stores its piece of every sub-array, concatenated in order. ``stride=1`` is
     ``[block_slice(n, parts, index)]``.
+
+    Parameters
+    ----------
+    n : int
+        Number of items along the axis.
+    parts : int
+        Number of ranks.
+    index : int
+        This rank.
+    stride : int, default 1
+        Number of fused sub-arrays.
+
+    Returns
+    -------
+    list of slice
+        The rank's range in each sub-array, in order.
 
     Examples
     --------
@@ -120,7 +150,21 @@ class Split:
 
     @classmethod
     def over(cls, group: Any, axis: int, stride: int = 1) -> "Split":
-        """The split of ``axis`` over a pympar ``Group`` (its size and this rank's position)."""
+        """The split of ``axis`` over a pympar ``Group`` (its size and this rank's position).
+
+        Parameters
+        ----------
+        group : pympar.group.Group
+            The group that shares the axis.
+        axis : int
+            The array axis that is cut.
+        stride : int, default 1
+            Fused sub-arrays along the axis.
+
+        Returns
+        -------
+        Split
+        """
         return cls(int(axis), int(group.size), int(group.rank), int(stride))
 
 
@@ -183,7 +227,17 @@ class Placement:
         return all(s.parts == 1 for s in self.splits)
 
     def then(self, split: Split) -> "Placement":
-        """This placement cut once more by ``split`` (e.g. a data-parallel share of a shard)."""
+        """This placement cut once more by ``split`` (e.g. a data-parallel share of a shard).
+
+        Parameters
+        ----------
+        split : Split
+            The further cut.
+
+        Returns
+        -------
+        Placement
+        """
         return Placement(self.shape, self.splits + (split,))
 
     @functools.cached_property
@@ -216,7 +270,18 @@ class Placement:
                 for combo in itertools.product(*per_axis)]
 
     def take(self, full: Any) -> Any:
-        """This rank's shard of a full array, as a new array of the same library."""
+        """This rank's shard of a full array, as a new array of the same library.
+
+        Parameters
+        ----------
+        full : numpy.ndarray or cupy.ndarray
+            The whole array, of shape :attr:`shape`.
+
+        Returns
+        -------
+        array
+            A copy of this rank's shard, of shape :attr:`local_shape`.
+        """
         if tuple(full.shape) != self.shape:
             raise ValueError(f"expected a full array of shape {self.shape}, got {tuple(full.shape)}")
         pieces = self.pieces()
@@ -228,7 +293,15 @@ class Placement:
         return local
 
     def put(self, local: Any, full: Any) -> None:
-        """Write this rank's shard ``local`` into its place in ``full`` (in place)."""
+        """Write this rank's shard ``local`` into its place in ``full`` (in place).
+
+        Parameters
+        ----------
+        local : numpy.ndarray or cupy.ndarray
+            This rank's shard, of shape :attr:`local_shape`.
+        full : numpy.ndarray or cupy.ndarray
+            The whole array, of shape :attr:`shape`, written where the shard belongs.
+        """
         if tuple(local.shape) != self.local_shape:
             raise ValueError(f"expected a shard of shape {self.local_shape}, "
                              f"got {tuple(local.shape)}")
