@@ -137,6 +137,24 @@ def _finalize() -> None:
     time.sleep(ABORT_DELAY)
 
 
+def _completes(request: MPI.Request, timeout: float | None,
+               note: tuple[float, str] | None = None) -> bool:
+    """Whether ``request`` completes within ``timeout`` s (None: it is waited for), polled
+    with growing pauses; ``note``: after that many seconds, write that line once."""
+    start, pause = time.monotonic(), 1e-5
+    while not request.Test():
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            return False
+        if note is not None and waited >= note[0]:
+            sys.stderr.write(note[1])
+            sys.stderr.flush()
+            note = None
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-2)
+    return True
+
+
 def _gather_ends(code: int, timeout: float | None) -> np.ndarray | None:
     """Tell the boards this rank has ended, then every rank's ``code`` in the end-of-program
     exchange (None when not every rank is there within ``timeout`` s)."""
@@ -145,21 +163,11 @@ def _gather_ends(code: int, timeout: float | None) -> np.ndarray | None:
     _board.depart()
     mine, table = np.array([code], np.int64), np.empty(comm.Get_size(), np.int64)
     request = comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-    start, pause, noted = time.monotonic(), 1e-5, False
-    while not request.Test():
-        waited = time.monotonic() - start
-        if timeout is not None and waited >= timeout:
-            return None
-        if not noted and code == _ENDED and waited >= EXIT_NOTE_AFTER:
-            noted = True
-            sys.stderr.write(
-                f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end "
-                f"of the program and waits for the other ranks to end too (PYMPAR_TIMEOUT="
-                f"{'never' if timeout is None else f'{timeout:g} s'})\n")
-            sys.stderr.flush()
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-2)
-    return table
+    note = None if code != _ENDED else (EXIT_NOTE_AFTER, (
+        f"[pympar rank {comm.Get_rank()}/{comm.Get_size()}] this rank reached the end of the "
+        f"program and waits for the other ranks to end too (PYMPAR_TIMEOUT="
+        f"{'never' if timeout is None else f'{timeout:g} s'})\n"))
+    return table if _completes(request, timeout, note) else None
 
 
 def _end_at_exit() -> None:
@@ -197,15 +205,29 @@ def _install() -> None:
         threading.excepthook = _threading_excepthook
 
 
-def _install_exit(comm: MPI.Comm) -> None:
-    """Register the end of the program over ``comm`` (collective: it duplicates ``comm``),
-    the first communicator of more than one rank that is laid out."""
+def _install_exit(comm: MPI.Comm, timeout: float | None) -> None:
+    """Register the end of the program over a duplicate of ``comm``, the communicator being
+    laid out when it has more than one rank.
+
+    Collective on every rank of ``comm`` whatever each holds already, so that ranks whose
+    states differ still match: a rank that kept the hooks of an earlier state (which others
+    destroyed) swaps its old communicator for the new one. Not installed when the other
+    ranks do not join within ``timeout`` s (None: waited for), which only happens on the way
+    to an error, when they made another call: this rank's error then ends the job alone.
+    """
     global _exit_comm
-    if _exit_comm is None and comm.Get_size() > 1:
-        # A communicator of its own: the end-of-program exchange can never match a
-        # collective left pending on the user's communicators.
-        _exit_comm = comm.Dup()
+    if comm.Get_size() == 1:
+        return
+    # A communicator of its own: the end-of-program exchange can never match a collective
+    # left pending on the user's communicators. Non-blocking, so its wait can be bounded.
+    fresh, request = comm.Idup()
+    if not _completes(request, timeout):
+        return  # pending: the ranks that skipped it end by their own errors
+    if _exit_comm is None:
         atexit.register(_end_at_exit)
+    else:
+        _exit_comm.Free()
+    _exit_comm = fresh
 
 
 def stop() -> None:
@@ -258,9 +280,12 @@ def start(comm: MPI.Comm) -> None:
 
     _install()
     check_launcher(comm)  # before any collective: the wrong srun --mpi plugin, said once
+    timeout = debug.get_timeout()
     try:
         check_same(comm, "initialize_parallel", "")
     except (ValueError, CollectiveMismatchError):
-        _install_exit(comm)  # every rank is here, and raises alike: they end together
+        # Raised alike: where every rank is here they end together; where some made another
+        # call instead (a Mesh), they are not, and this rank stops waiting for them.
+        _install_exit(comm, END_WAIT if timeout is None else min(timeout, END_WAIT))
         raise
-    _install_exit(comm)
+    _install_exit(comm, timeout)  # every rank passed the check: every rank is here

@@ -179,7 +179,9 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
         ``tp*cp*dp`` with ``data_parallel_size`` given, a bad order,
         a non-cube TP size in 3D mode, or ranks passing different arguments.
     RuntimeError
-        When a parallel state already exists (call :func:`destroy_parallel`).
+        On every rank, when a parallel state already exists on any rank (call
+        :func:`destroy_parallel` on every rank first); the message names the ranks that
+        still hold one when :func:`destroy_parallel` was called on some ranks only.
     pympar.debug.CollectiveMismatchError
         When other ranks of ``comm`` make another agreed call (a ``Mesh``, say)
         instead.
@@ -201,9 +203,16 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
         raise faults.alike(ValueError(
             f"initialize_parallel called with different arguments on ranks {ranks} than on "
             f"rank 0: {seen[ranks[0]][0]} vs {seen[0][0]}"))
-    if any(initialized for _, initialized in seen):
+    holding = [rank for rank, (_, initialized) in enumerate(seen) if initialized]
+    if len(holding) == len(seen):
         raise faults.alike(RuntimeError("pympar parallel state is already initialized; "
                                         "call destroy_parallel() before initializing again"))
+    if holding:
+        others = [rank for rank in range(len(seen)) if rank not in holding]
+        raise faults.alike(RuntimeError(
+            f"initialize_parallel: a parallel state still exists on ranks {holding} but not on "
+            f"ranks {others}: destroy_parallel() is collective and was called on some ranks "
+            f"only; call it on every rank before initializing again"))
     try:
         sizes = _check_arguments(*arguments, world=comm.Get_size())
     except ValueError as err:  # the arguments agreed above: every rank raises this alike

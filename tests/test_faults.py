@@ -7,8 +7,6 @@ in the pass without a launcher only.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -17,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jobs import Job, run_job
 from mpi_helpers import WORLD, agree, raises_everywhere
 from pympar import manager
 from pympar.debug import CollectiveTimeoutError, debug_mode
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.mpi(min_size=2)
@@ -135,39 +132,31 @@ single_process = pytest.mark.skipif(WORLD.size != 1, reason="launches its own 2-
                                     "runs in the pass without a launcher")
 
 
-def launch(tmp_path: Path, scenario: str, **env: str) -> tuple[int, str, float]:
-    """Run ``python script.py`` on 2 ranks (no -m mpi4py); (exit status, output, seconds)."""
+def launch(tmp_path: Path, scenario: str, **env: str) -> Job:
+    """Run ``python script.py`` on 2 ranks (no -m mpi4py; tests/jobs.py: each rank's output
+    apart from the launcher's)."""
     script = tmp_path / f"{scenario}.py"
     script.write_text(PRELUDE + textwrap.dedent(SCENARIOS[scenario]))
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PYMPAR_"))}
-    clean.update(PYMPAR_LAUNCH_TIMEOUT="60", **env,
-                 PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]))
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    if mpiexec.exists():
-        clean.setdefault("MPIEXEC", str(mpiexec))
-    start = time.monotonic()
-    done = subprocess.run([str(REPO / "scripts" / "mpirun.sh"), "2", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=90, env=clean, cwd=tmp_path)
-    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+    return run_job(tmp_path, 2, [sys.executable, str(script)], timeout=90, **env)
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> float:
     """Seconds of a trivial 2-rank job here and now: the launch and imports that load
     stretches. A job "ends" when it ends within its timeouts plus 10 s plus three of these."""
-    status, output, seconds = launch(tmp_path_factory.mktemp("baseline"), "trivial")
-    assert status == 0, output
-    return 3 * seconds + 10
+    job = launch(tmp_path_factory.mktemp("baseline"), "trivial")
+    assert job.status == 0, str(job)
+    return 3 * job.seconds + 10
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_an_exception_on_one_rank_ends_a_plain_python_job(tmp_path, baseline):
-    status, output, seconds = launch(tmp_path, "raise")
-    assert status != 0 and seconds < baseline, (status, seconds, output)
-    assert "[pympar rank 1/2] uncaught ValueError: boom on purpose; aborting the job" in output
-    assert "Traceback" in output, output
+    job = launch(tmp_path, "raise")
+    assert job.status != 0 and job.seconds < baseline, str(job)
+    assert "[pympar rank 1/2] uncaught ValueError: boom on purpose; aborting the job" in \
+        job.printed, str(job)
+    assert "Traceback" in job.printed, str(job)
 
 
 @single_process
@@ -175,19 +164,19 @@ def test_an_exception_on_one_rank_ends_a_plain_python_job(tmp_path, baseline):
 def test_a_timeout_inside_initialize_parallel_ends_a_plain_python_job(tmp_path, baseline):
     # Without the hooks in place before its first collective, rank 0 would end quietly
     # and the job would wait for rank 1 (and then in MPI_Finalize).
-    status, output, seconds = launch(tmp_path, "init_late", PYMPAR_TIMEOUT="2")
-    assert status != 0 and seconds < 2 + baseline, (status, seconds, output)
+    job = launch(tmp_path, "init_late", PYMPAR_TIMEOUT="2")
+    assert job.status != 0 and job.seconds < 2 + baseline, str(job)
     assert ("[pympar rank 0/2] uncaught CollectiveTimeoutError: initialize_parallel did not "
-            "complete within 2 s on rank 0 of 2") in output, output
+            "complete within 2 s on rank 0 of 2") in job.printed, str(job)
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_an_exception_in_a_thread_ends_the_job(tmp_path, baseline):
-    status, output, seconds = launch(tmp_path, "thread")
-    assert status != 0 and seconds < baseline, (status, seconds, output)
+    job = launch(tmp_path, "thread")
+    assert job.status != 0 and job.seconds < baseline, str(job)
     assert ("[pympar rank 1/2] uncaught KeyError in thread 'worker': 'thread boom'; "
-            "aborting the job") in output, output
+            "aborting the job") in job.printed, str(job)
 
 
 @single_process
@@ -195,16 +184,19 @@ def test_an_exception_in_a_thread_ends_the_job(tmp_path, baseline):
 def test_sys_exit_on_one_rank_ends_the_job_after_the_timeout(tmp_path, baseline):
     # Rank 0 waits in a raw MPI barrier, which pympar cannot see: rank 1 waits for it at
     # the end of the program, for the watchdog's timeout, then ends the job.
-    status, output, seconds = launch(tmp_path, "exit_one", PYMPAR_TIMEOUT="2")
-    assert status != 0 and seconds < 2 + baseline, (status, seconds, output)
+    job = launch(tmp_path, "exit_one", PYMPAR_TIMEOUT="2")
+    assert job.status != 0 and job.seconds < 2 + baseline, str(job)
     assert ("[pympar rank 1/2] this rank reached the end of the program (return or sys.exit) "
-            "but other ranks did not within PYMPAR_TIMEOUT=2 s; aborting the job") in output, \
-        (status, seconds, output)
+            "but other ranks did not within PYMPAR_TIMEOUT=2 s; aborting the job") in \
+        job.printed, str(job)
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_ranks_that_all_end_keep_their_exit_status(tmp_path):
-    status, output, _ = launch(tmp_path, "exit_all", PYMPAR_TIMEOUT="10")
-    assert status == 3, (status, output)
-    assert "[rank 0] done" in output and "[rank 1] done" in output and "abort" not in output.lower()
+    job = launch(tmp_path, "exit_all", PYMPAR_TIMEOUT="10")
+    assert job.status == 3, str(job)
+    # Every rank printed before any exited (they end together), and none aborted.
+    assert "[rank 0] done" in job.printed and "[rank 1] done" in job.printed, str(job)
+    assert "abort" not in job.printed.lower(), str(job)
+    job.check_exits({0: 3, 1: 3})

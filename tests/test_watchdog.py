@@ -2,29 +2,26 @@
 
 Each test launches its own 2- or 3-rank job (plain ``python script.py``, or under
 ``python -m mpi4py``) with the watchdog shortened to ``PYMPAR_TIMEOUT=3``, so they run in
-the pass without a launcher only. Each rank runs under a small shell that prints
-``[exit R] S`` with its own exit status, when the job does not abort. A job must end within
-the timeout plus 10 s plus three times a measured trivial job (the launch and imports that
-load stretches), never at the launcher's 90 s limit.
-"""
+the pass without a launcher only, under whichever launcher ``MPIEXEC`` names (MPICH's
+``mpiexec``, Open MPI's ``mpirun``, ``srun``). Each rank's output and exit status are kept
+apart from the launcher's (tests/jobs.py), and the tests check the contract: pympar's one
+line, the ranks it names, a non-zero status, and an end within the timeout plus 10 s plus
+three times a measured trivial job (the launch and imports that load stretches), never at
+the launcher's 90 s limit."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from jobs import Job, run_job
 from mpi_helpers import WORLD, agree
 from pympar import faults, manager
 
-REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 3
 
 single_process = pytest.mark.skipif(WORLD.size != 1, reason="launches its own jobs; runs "
@@ -88,49 +85,45 @@ state = manager.initialize_parallel(2)
 state.tensor.all_reduce(np.ones(4 + rank))
 """,
     "layout": "manager.initialize_parallel(2)\n",
+    # rank 0 lays the world out while rank 1 makes a mesh of it
+    "init_mesh": """
+from pympar import Mesh
+if rank == 0:
+    manager.initialize_parallel()
+else:
+    Mesh(MPI.COMM_WORLD, {"x": 2})
+""",
+    # one rank destroys its state, then every rank lays the world out again
+    "destroy_some": """
+manager.initialize_parallel(2)
+if rank == int(sys.argv[1]):
+    manager.destroy_parallel()
+manager.initialize_parallel(2)
+""",
 }
 
 
 def launch(tmp_path: Path, scenario: str, *args: str, ranks: int = 2, mpi4py: bool = False,
-           command: list[str] | None = None, **env: str) -> tuple[int, str, float]:
-    """Run a scenario on ``ranks`` ranks; return (job status, output, seconds)."""
+           command: list[str] | None = None, **env: str) -> Job:
+    """Run a scenario on ``ranks`` ranks (tests/jobs.py: each rank's output apart)."""
     script = tmp_path / f"{scenario}.py"
     script.write_text(PRELUDE + textwrap.dedent(SCENARIOS[scenario]))
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PYMPAR_"))}
-    clean.update(PYMPAR_LAUNCH_TIMEOUT="90", PYMPAR_TIMEOUT=str(TIMEOUT), **env,
-                 PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]))
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    if mpiexec.exists():
-        clean.setdefault("MPIEXEC", str(mpiexec))
     program = command or [sys.executable, *(["-m", "mpi4py"] if mpi4py else []), str(script),
                           *args]
-    shell = ('"$@"; s=$?; echo "[exit ${PMI_RANK:-$OMPI_COMM_WORLD_RANK}] $s" >&2; exit $s')
-    start = time.monotonic()
-    done = subprocess.run([str(REPO / "scripts" / "mpirun.sh"), str(ranks), "sh", "-c", shell,
-                           "sh", *program], capture_output=True, text=True, timeout=120,
-                          env=clean, cwd=tmp_path)
-    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+    return run_job(tmp_path, ranks, program, PYMPAR_TIMEOUT=str(TIMEOUT), **env)
 
 
 @pytest.fixture(scope="module")
 def bound(tmp_path_factory) -> float:
     """The seconds a job may take to end: the timeout + 10 s + 3 trivial jobs, measured."""
-    status, output, seconds = launch(tmp_path_factory.mktemp("baseline"), "trivial")
-    assert status == 0, output
-    return TIMEOUT + 10 + 3 * seconds
+    job = launch(tmp_path_factory.mktemp("baseline"), "trivial")
+    assert job.status == 0, str(job)
+    return TIMEOUT + 10 + 3 * job.seconds
 
 
-def exits(output: str) -> dict[int, int]:
-    """Each rank's exit status, as its shell printed it."""
-    return {int(r): int(s) for r, s in re.findall(r"\[exit (\d+)\] (\d+)", output)}
-
-
-def said_once(line: str, output: str) -> None:
-    """``line`` is the one line of pympar's in the output, and no traceback is shown."""
-    lines = [x for x in output.splitlines() if "[pympar" in x]
-    assert len(lines) == 1 and line in lines[0], output
-    assert "Traceback" not in output, output
+def ended(job: Job, bound: float, after: float = 0.0) -> None:
+    """The job failed (a non-zero status), after ``after`` s and within ``bound`` s."""
+    assert job.status != 0 and after < job.seconds < bound, f"bound {bound:.1f} s\n{job}"
 
 
 @single_process
@@ -138,106 +131,134 @@ def said_once(line: str, output: str) -> None:
 @pytest.mark.parametrize("code,mpi4py,board", [("0", False, "shared"), ("3", False, "shared"),
                                                ("0", True, "shared"), ("3", True, "message")])
 def test_a_rank_that_exits_ends_the_job_at_once(tmp_path, bound, code, mpi4py, board):
-    status, output, seconds = launch(tmp_path, "exit", code, board, mpi4py=mpi4py)
-    assert status != 0 and seconds < bound, (status, seconds, output)
-    said_once("[pympar] PeerEndedError on rank 0: all_reduce(shape=(4,), dtype=float64, "
-              "op='sum') on group 'tp-0-1': rank 1 (global 1) ended the program", output)
+    job = launch(tmp_path, "exit", code, board, mpi4py=mpi4py)
+    ended(job, bound)
+    job.said_once("[pympar] PeerEndedError on rank 0: all_reduce(shape=(4,), dtype=float64, "
+                  "op='sum') on group 'tp-0-1': rank 1 (global 1) ended the program")
     # The waiting rank fails; the one that left keeps its own status.
-    assert exits(output) == {0: 1, 1: int(code)}, output
+    job.check_exits({0: 1, 1: int(code)})
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_a_mapping_that_one_rank_calls_while_the_other_ends(tmp_path, bound):
-    status, output, seconds = launch(tmp_path, "mapping_ended")
-    assert status != 0 and seconds < bound, (status, seconds, output)
-    said_once("[pympar] PeerEndedError on rank 1: all_reduce(shape=(4,), dtype=float64, "
-              "op='sum') on group 'tp-0-1': rank 0 (global 0) ended the program", output)
-    assert exits(output) == {0: 0, 1: 1}, output
+    job = launch(tmp_path, "mapping_ended")
+    ended(job, bound)
+    job.said_once("[pympar] PeerEndedError on rank 1: all_reduce(shape=(4,), dtype=float64, "
+                  "op='sum') on group 'tp-0-1': rank 0 (global 0) ended the program")
+    job.check_exits({0: 0, 1: 1})
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_a_mapping_that_one_rank_calls_while_the_other_is_busy(tmp_path, bound):
-    status, output, seconds = launch(tmp_path, "mapping_busy")
-    assert status != 0 and TIMEOUT < seconds < bound, (status, seconds, output)
-    said_once("[pympar rank 1/2] uncaught CollectiveTimeoutError: all_reduce(shape=(4,), "
-              "dtype=float64, op='sum') on group 'tp-0-1' did not complete within 3 s on rank "
-              "1 (global 1) of 2: rank 0 (global 0) did not arrive", output)
+    job = launch(tmp_path, "mapping_busy")
+    ended(job, bound, after=TIMEOUT)
+    job.said_once("[pympar rank 1/2] uncaught CollectiveTimeoutError: all_reduce(shape=(4,), "
+                  "dtype=float64, op='sum') on group 'tp-0-1' did not complete within 3 s on "
+                  "rank 1 (global 1) of 2: rank 0 (global 0) did not arrive")
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_initialize_parallel_on_some_ranks_only(tmp_path, bound):
-    status, output, seconds = launch(tmp_path, "init_some")
-    assert status != 0 and TIMEOUT < seconds < bound, (status, seconds, output)
+    job = launch(tmp_path, "init_some")
+    ended(job, bound, after=TIMEOUT)
     # No group exists yet: a roll call after the timeout names the rank that never came.
-    said_once("[pympar rank 0/2] uncaught CollectiveTimeoutError: initialize_parallel did "
-              "not complete within 3 s on rank 0 of 2: rank(s) [1] of the communicator did "
-              "not call it", output)
+    job.said_once("[pympar rank 0/2] uncaught CollectiveTimeoutError: initialize_parallel did "
+                  "not complete within 3 s on rank 0 of 2: rank(s) [1] of the communicator "
+                  "did not call it")
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_initialize_parallel_over_different_communicators(tmp_path, bound):
-    status, output, seconds = launch(tmp_path, "init_comms")
-    assert status != 0 and TIMEOUT < seconds < bound, (status, seconds, output)
-    assert "initialize_parallel did not complete within 3 s on rank" in output, output
-    # Each rank waits on its own communicator, where the other never calls it.
-    for rank, other in ((0, 1), (1, 0)):
-        assert (f"within 3 s on rank {rank} of 2: rank(s) [{other}] of the communicator did "
-                f"not call it") in output, output
-    assert "Traceback" not in output, output
+    job = launch(tmp_path, "init_comms")
+    ended(job, bound, after=TIMEOUT)
+    # Each rank waits on its own communicator, where the other never calls it; the first
+    # to abort may take the other with it before it says so.
+    said = [(rank, other) for rank, other in ((0, 1), (1, 0))
+            if f"initialize_parallel did not complete within 3 s on rank {rank} of 2: rank(s) "
+               f"[{other}] of the communicator did not call it" in job.printed]
+    assert said and "Traceback" not in job.printed, str(job)
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+def test_initialize_parallel_where_another_rank_makes_a_mesh(tmp_path, bound):
+    # Rank 0 waits for rank 1 to join its end-of-program hooks, which rank 1 (in Mesh) never
+    # does: rank 0 stops waiting within the timeout. The error names both calls.
+    job = launch(tmp_path, "init_mesh")
+    ended(job, bound)
+    assert "initialize_parallel() on ranks [0]; Mesh(x=2, innermost first) on ranks [1]" in \
+        job.printed, str(job)
+
+
+@single_process
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("destroyed", ["0", "1"])
+def test_initialize_parallel_after_destroy_parallel_on_some_ranks(tmp_path, bound, destroyed):
+    # destroy_parallel is collective: called on one rank only, the next initialize_parallel
+    # on every rank says so once, naming the rank that still holds its state, and both fail.
+    job = launch(tmp_path, "destroy_some", destroyed)
+    ended(job, bound)
+    kept = 1 - int(destroyed)
+    job.said_once(f"[pympar] RuntimeError on ranks 0, 1: initialize_parallel: a parallel state "
+                  f"still exists on ranks [{kept}] but not on ranks [{destroyed}]: "
+                  f"destroy_parallel() is collective and was called on some ranks only")
+    job.check_exits({0: 1, 1: 1})
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_should_stop_on_some_ranks_only(tmp_path, bound):
-    status, output, seconds = launch(tmp_path, "should_stop")
-    assert status != 0 and TIMEOUT < seconds < bound, (status, seconds, output)
-    said_once("[pympar rank 0/2] uncaught CollectiveTimeoutError: all_reduce(shape=(1,), "
-              "dtype=int32, op='max') on group 'preemption-0-1' did not complete within 3 s "
-              "on rank 0 (global 0) of 2: rank 1 (global 1) did not arrive", output)
+    job = launch(tmp_path, "should_stop")
+    ended(job, bound, after=TIMEOUT)
+    job.said_once("[pympar rank 0/2] uncaught CollectiveTimeoutError: all_reduce(shape=(1,), "
+                  "dtype=int32, op='max') on group 'preemption-0-1' did not complete within 3 "
+                  "s on rank 0 (global 0) of 2: rank 1 (global 1) did not arrive")
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("mpi4py", [False, True])
 def test_an_error_every_rank_raises_is_said_once_by_the_lowest_rank(tmp_path, bound, mpi4py):
-    status, output, seconds = launch(tmp_path, "mismatch", mpi4py=mpi4py)
-    assert status != 0 and seconds < bound, (status, seconds, output)
-    said_once("[pympar] CollectiveMismatchError on ranks 0, 1: ", output)
-    assert exits(output) == {0: 1, 1: 1}, output
+    job = launch(tmp_path, "mismatch", mpi4py=mpi4py)
+    ended(job, bound)
+    job.said_once("[pympar] CollectiveMismatchError on ranks 0, 1: ")
+    job.check_exits({0: 1, 1: 1})
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("mpi4py", [False, True])
 def test_a_layout_that_does_not_fit_is_said_once(tmp_path, bound, mpi4py):
-    status, output, seconds = launch(tmp_path, "layout", ranks=3, mpi4py=mpi4py)
-    assert status != 0 and seconds < bound, (status, seconds, output)
-    said_once("[pympar] ValueError on ranks 0, 1, 2: world size 3 is not divisible by "
-              "tensor_parallel_size 2", output)
-    assert exits(output) == {0: 1, 1: 1, 2: 1}, output
+    job = launch(tmp_path, "layout", ranks=3, mpi4py=mpi4py)
+    ended(job, bound)
+    job.said_once("[pympar] ValueError on ranks 0, 1, 2: world size 3 is not divisible by "
+                  "tensor_parallel_size 2 x context_parallel_size 1 = 2: run it on a multiple "
+                  "of 2 ranks (mpiexec -n 2 or -n 4), or use sizes whose product divides 3")
+    job.check_exits({0: 1, 1: 1, 2: 1})
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_debug_mode_adds_the_traceback_once(tmp_path, bound):
-    status, output, seconds = launch(tmp_path, "mismatch", PYMPAR_DEBUG="1")
-    assert status != 0 and seconds < bound, (status, seconds, output)
-    assert output.count("Traceback") == 1 and output.count("[pympar]") == 1, output
+    job = launch(tmp_path, "mismatch", PYMPAR_DEBUG="1")
+    ended(job, bound)
+    assert job.printed.count("Traceback") == 1 and job.printed.count("[pympar]") == 1, str(job)
 
 
 @single_process
 @pytest.mark.mpi(min_size=1)
 def test_info_with_a_bad_cuda_setting_ends(tmp_path, bound):
-    status, output, seconds = launch(
-        tmp_path, "trivial", command=[sys.executable, "-m", "pympar", "info"],
-        PYMPAR_CUDA_AWARE="maybe")
-    assert status == 2 and seconds < bound, (status, seconds, output)
-    assert output.count("PYMPAR_CUDA_AWARE must be auto, 0 or 1, not 'maybe'") == 1, output
-    assert exits(output) == {0: 2, 1: 2}, output
+    job = launch(tmp_path, "trivial", command=[sys.executable, "-m", "pympar", "info"],
+                 PYMPAR_CUDA_AWARE="maybe")
+    # Every rank exits 2: whichever a launcher reports, the job's status is 2.
+    assert job.status == 2 and job.seconds < bound, str(job)
+    assert job.printed.count("PYMPAR_CUDA_AWARE must be auto, 0 or 1, not 'maybe'") == 1, \
+        str(job)
+    job.check_exits({0: 2, 1: 2})
 
 
 @pytest.mark.mpi(min_size=1)

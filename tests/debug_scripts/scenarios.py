@@ -5,9 +5,11 @@ Launched by ``tests/test_debug.py`` as::
     scripts/mpirun.sh 2 python -m mpi4py tests/debug_scripts/scenarios.py SCENARIO
 
 with ``PYMPAR_DEBUG=1``, ``PYMPAR_TIMEOUT=seconds`` or nothing in the environment. Every
-rank prints ``[rank R] ErrorName: message`` when it catches a pympar error, then
-re-raises; ``python -m mpi4py`` turns the unhandled exception into an abort of
-the whole job, so the run ends with a non-zero status instead of hanging.
+rank prints ``[rank R] ErrorName: message`` when it catches a pympar error, waits until the
+other ranks have printed theirs (every scenario fails on every rank or on none), then
+re-raises; ``python -m mpi4py`` turns the unhandled exception into an abort of the whole job,
+so the run ends with a non-zero status instead of hanging, and every rank's line is out
+before the first abort, whichever launcher kills the other ranks then.
 """
 
 from __future__ import annotations
@@ -74,16 +76,29 @@ SCENARIOS: dict[str, Callable[[Any, Any], None]] = {
                              big_dtypes, matching)}
 
 
+#: Seconds a rank that caught its error waits for the others to have printed theirs.
+MEET_SECONDS = 60.0
+
+
+def meet(comm: MPI.Comm, seconds: float) -> None:
+    """Wait until every rank of ``comm`` is here, at most ``seconds``."""
+    request, deadline = comm.Ibarrier(), time.monotonic() + seconds
+    while not request.Test() and time.monotonic() < deadline:
+        time.sleep(1e-3)
+
+
 def main() -> None:
     scenario = SCENARIOS[sys.argv[1]]
+    ending = WORLD.Dup()  # never matched with what a scenario leaves pending
     mesh = Mesh(WORLD, {"w": WORLD.size})
     group, other = mesh.group("w"), mesh.group("w", key="aux")
     try:
         scenario(group, other)
     except (CollectiveMismatchError, CollectiveTimeoutError) as err:
         print(f"[rank {RANK}] {type(err).__name__}: {err}", flush=True)
-        # The first rank to re-raise aborts the job; give the others time to print.
-        time.sleep(1.0)
+        # The first rank to re-raise aborts the job (and a launcher may kill the others):
+        # every rank says its error first.
+        meet(ending, MEET_SECONDS)
         raise
     print(f"[rank {RANK}] completed", flush=True)
 
