@@ -1,4 +1,4 @@
-"""The 2-D heat equation on a grid split over any number of ranks, checked against NumPy.
+"""The 2-D heat equation on a grid split over any number of ranks, checked with NumPy.
 
     mpiexec -n 4 python -m mpi4py examples/heat.py                    # 2 x 2 blocks
     mpiexec -n 3 python -m mpi4py examples/heat.py --method spectral  # 3 row slabs
@@ -6,10 +6,11 @@
 Solves ``u_t = nu (u_xx + u_yy)`` on the unit square, ``--grid NX NY`` cells, with the
 5-point Laplacian, from a warm spot and a hot bar:
 
-* ``--method explicit`` (the default): forward Euler. The grid is cut into blocks over a
-  ``px x py`` grid of ranks (``MPI.Compute_dims``: any rank count; the balanced rule of
-  :mod:`pympar.partition` gives uneven blocks where the extents do not divide), and every
-  rank refreshes a halo of one cell (:class:`pympar.halo.HaloExchange`) before each step.
+* ``--method explicit`` (the default): forward Euler. The grid is cut into blocks over
+  a ``px x py`` grid of ranks (``MPI.Compute_dims``: any rank count; the balanced rule
+  of :mod:`pympar.partition` gives uneven blocks where the extents do not divide), and
+  every rank refreshes a halo of one cell (:class:`pympar.halo.HaloExchange`) before
+  each step.
   Walls along x (the field is 0 beyond the first and the last row: Dirichlet), periodic
   along y. Stable only for ``dt <= h**2 / (2 nu (1 + (h_x/h_y)**2))``.
 * ``--method spectral``: backward Euler, periodic along both axes. Each step solves
@@ -18,14 +19,14 @@ Solves ``u_t = nu (u_xx + u_yy)`` on the unit square, ``--grid NX NY`` cells, wi
   :mod:`pympar.fft` on row slabs; stable for any ``--dt``.
 
 At the end rank 0 gathers the field, runs the same scheme on the whole grid with NumPy
-alone, prints the largest difference and exits 1 when it exceeds ``--tolerance`` (times the
-largest initial value); it writes ``heat.png`` into ``--out`` where matplotlib is installed.
+alone, prints the largest difference and exits 1 when it exceeds ``--tolerance`` (times
+the largest initial value); it writes ``heat.png`` into ``--out`` where matplotlib is
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +73,9 @@ def stability_limit(args: argparse.Namespace) -> float:
 def euler_step(padded: np.ndarray, rx: float, ry: float) -> None:
     """One forward Euler step of the cells inside ``padded``'s one-cell ghost frame.
 
-    ``rx = nu dt / h_x**2`` and ``ry = nu dt / h_y**2``. The right-hand side is evaluated in
-    full before ``+=`` writes, so every cell is updated from the previous step's values.
+    ``rx = nu dt / h_x**2`` and ``ry = nu dt / h_y**2``. The right-hand side is
+    evaluated in full before ``+=`` writes, so every cell is updated from the previous
+    step's values.
     """
     c = padded[1:-1, 1:-1]
     c += (rx * (padded[:-2, 1:-1] - 2 * c + padded[2:, 1:-1])
@@ -95,7 +97,7 @@ def explicit(args: argparse.Namespace, comm: MPI.Intracomm) -> tuple:
         halo.exchange(u)              # the neighbours' edge cells into the ghosts
         euler_step(u, rx, ry)
     block = halo.inner(u).copy()
-    halo.free()                       # its MPI datatypes; then the groups' communicators
+    halo.free()                       # its MPI datatypes, then the communicators
     for group in groups.values():
         group.free()
     return block, d.blocks
@@ -122,7 +124,8 @@ def symbol(k: np.ndarray, n: int) -> np.ndarray:
     return -(2.0 * n * np.sin(np.pi * k / n)) ** 2
 
 
-def implicit_factor(args: argparse.Namespace, kx: np.ndarray, ky: np.ndarray) -> np.ndarray:
+def implicit_factor(args: argparse.Namespace, kx: np.ndarray,
+                    ky: np.ndarray) -> np.ndarray:
     """``1 / (1 - dt nu L)`` on the modes ``kx`` (column) by ``ky`` (row)."""
     nx, ny = args.grid
     laplacian = symbol(kx[:, None], nx) + symbol(ky[None, :], ny)
@@ -206,8 +209,8 @@ def draw(result: dict, args: argparse.Namespace, blocks: list) -> str:
         fig.colorbar(image, ax=ax, shrink=0.85, label="u")
         for rows, cols in blocks:     # every rank's block, outlined
             ax.add_patch(matplotlib.patches.Rectangle(
-                (cols.start, rows.start), cols.stop - cols.start, rows.stop - rows.start,
-                fill=False, edgecolor="white", lw=1, ls="--"))
+                (cols.start, rows.start), cols.stop - cols.start,
+                rows.stop - rows.start, fill=False, edgecolor="white", lw=1, ls="--"))
         ax.set(xlabel="y (cells)", title=title)
     axes[0].set_ylabel("x (cells)")
     fig.suptitle(f"heat.py --method {args.method}: {nx} x {ny} cells on "
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         result = run(args, comm)
-    except ValueError as err:  # raised on every rank alike (a grid too small for the ranks)
+    except ValueError as err:  # said on every rank alike (too few cells for the ranks)
         return report_error("heat.py", f"{err}{launcher_hint(COMMAND)}")
     blocks = comm.gather(result["where"], root=0)
     status = 0
@@ -259,8 +262,9 @@ def main(argv=None) -> int:
         print(f"heat.py: {args.method}, {nx} x {ny} cells on {comm.Get_size()} ranks, "
               f"{args.steps} steps of dt {args.dt:.3g}")
         ok = result["error"] <= args.tolerance
+        verdict = "ok" if ok else "TOO LARGE"
         print(f"largest difference from the serial NumPy run: {result['error']:.3e} "
-              f"(relative; tolerance {args.tolerance:g}): {'ok' if ok else 'TOO LARGE'}")
+              f"(relative; tolerance {args.tolerance:g}): {verdict}")
         print(draw(result, args, blocks))
         status = 0 if ok else 1
     return comm.bcast(status, root=0)
