@@ -1,13 +1,19 @@
-"""The plan of one halo exchange (private to :mod:`pympar.halo`): regions, datatypes, buffers.
+"""The plan of one halo exchange (private to :mod:`pympar.halo`): regions, faces, program.
 
 For one array shape and dtype, :class:`Plan` holds per exchanged axis the four regions of
-the padded array that travel (:class:`Axis`), the committed MPI subarray datatypes or the
-reused contiguous buffers of the faces, and the zeroed ghost slabs where a non-periodic
-field ends.
+the padded array that travel (:class:`Axis`), how each face reaches MPI (in place as a plain
+buffer, as a committed MPI subarray datatype, or packed into a reused contiguous buffer),
+and the zeroed ghost slabs where a non-periodic field ends. For a NumPy padded array it
+builds, once per array address, the exchange's *program*: per axis, the persistent requests
+of the faces with the copies that pack and unpack them, or, along an axis this rank holds
+alone (a periodic axis not split), the copies of its own opposite faces. An exchange is then
+only that program: no indexing, no new arrays.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import operator
 import weakref
 from typing import Any
@@ -17,10 +23,15 @@ from mpi4py import MPI
 
 from . import backend
 
-__all__ = ["UP", "DOWN", "Axis", "Plan", "widths", "count"]
+__all__ = ["UP", "DOWN", "FACES", "Axis", "Plan", "widths", "count"]
 
 UP, DOWN = 41, 42  # message tags: faces travelling to the upper and the lower neighbour
+FACES = ("auto", "subarray", "packed")
 Index = tuple  # a tuple of slices into a padded array
+
+#: A local wrap's region that NumPy would copy through a temporary (its cells interleave
+#: with those of the opposite face) is cut into at most this many one-dimensional copies.
+_MAX_PIECES = 16
 
 
 def widths(width: Any, ndim: int) -> tuple[tuple[int, int], ...]:
@@ -39,6 +50,15 @@ def widths(width: Any, ndim: int) -> tuple[tuple[int, int], ...]:
             raise ValueError(f"HaloExchange: widths must be >= 0, got {width}")
         pairs.append((lo, hi))
     return tuple(pairs)
+
+
+def packs_faces(faces: str) -> bool:
+    """Whether NumPy faces that are not one contiguous run go packed (else as subarray
+    datatypes). ``"auto"`` packs under MPICH, whose datatype engine moves a face of short
+    runs 2.5-3x slower than a NumPy copy into a buffer and a plain send (a split last axis:
+    one cell per row); Open MPI moved the same subarrays as fast or faster than packed
+    faces (see ``docs/howto/halos.rst``)."""
+    return faces == "packed" or (faces == "auto" and MPI.get_vendor()[0] == "MPICH")
 
 
 class Axis:
@@ -89,20 +109,57 @@ def _contiguous(region: Index, shape: tuple[int, ...]) -> bool:
     return sizes[first + 1:] == list(shape[first + 1:])
 
 
-def _message(padded: Any, face: Index | MPI.Datatype) -> Any:
-    """The buffer argument of a face's request on ``padded`` (see :meth:`Plan._face`)."""
-    if isinstance(face, MPI.Datatype):
-        return [padded, 1, face]
-    return padded[face]
-
-
 def count(region: Index, shape: tuple[int, ...]) -> int:
     """The number of cells of ``region`` in an array of ``shape``."""
     return int(np.prod(_sizes(region, shape)))
 
 
+def _runs(array: np.ndarray, region: Index, like: np.ndarray | None = None) -> np.ndarray:
+    """``region`` of the C-contiguous ``array`` as an array of its contiguous runs, each one
+    element of a void dtype, over the fewest axes (unit axes dropped, adjacent ones merged);
+    or, with ``like`` (a contiguous buffer of the region's cells), ``like`` cut the same way.
+
+    NumPy copies such an array run by run, and copies a one-dimensional one with no check
+    for overlap (an n-dimensional copy between interleaved regions of one array goes
+    through a temporary)."""
+    itemsize = array.dtype.itemsize
+    strides = [itemsize * math.prod(array.shape[b + 1:]) for b in range(array.ndim)]
+    offset, dims = 0, []
+    for s, n, stride in zip(region, array.shape, strides):
+        start, stop, _ = s.indices(n)
+        offset += start * stride
+        if stop - start != 1:
+            if dims and dims[-1][1] == (stop - start) * stride:
+                dims[-1] = (dims[-1][0] * (stop - start), stride)
+            else:
+                dims.append((stop - start, stride))
+    run = itemsize
+    if dims and dims[-1][1] == itemsize:
+        run = dims.pop()[0] * itemsize
+    shape = tuple(n for n, _ in dims)
+    kind = np.dtype((np.void, run))
+    if like is not None:
+        return np.ndarray(shape, kind, buffer=like.reshape(-1).view(np.uint8))
+    return np.ndarray(shape, kind, buffer=array.reshape(-1).view(np.uint8), offset=offset,
+                      strides=tuple(s for _, s in dims))
+
+
+def _pieces(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The copy of ``src`` into ``dst`` (runs of one array, :func:`_runs`) as one copy where
+    NumPy makes it without a temporary (one dimension, or regions apart); else as
+    one-dimensional copies along the longest axis, one per cell of the others while they are
+    few, else the one n-dimensional copy."""
+    if dst.ndim <= 1 or not np.may_share_memory(dst, src):  # no temporary: one copy
+        return [(dst, src)]
+    longest = int(np.argmax(dst.shape))
+    others = [range(n) if a != longest else [slice(None)] for a, n in enumerate(dst.shape)]
+    if math.prod(dst.shape) // dst.shape[longest] > _MAX_PIECES:
+        return [(dst, src)]
+    return [(dst[at], src[at]) for at in itertools.product(*others)]
+
+
 class Plan:
-    """Everything one array shape and dtype needs: regions, MPI datatypes, buffers, key."""
+    """Everything one array shape and dtype needs: regions, faces, buffers, program, key."""
 
     def __init__(self, halo: Any, shape: tuple[int, ...], x: Any) -> None:
         d = halo.decomposition
@@ -110,7 +167,9 @@ class Plan:
         self.shape, self.dtype = shape, x.dtype
         self.interior = (slice(None),) * lead + halo.interior
         self.numpy = type(x) is np.ndarray
-        self.subarrays = self.numpy and halo.faces == "subarray"
+        self.packed = not self.numpy or packs_faces(halo.faces)
+        # The adjoint sends its faces in place as datatypes, or through buffers.
+        self.subarrays = self.numpy and not self.packed
         self.axes = []
         for a in halo.exchanged:
             group = d.groups[a]
@@ -131,8 +190,11 @@ class Plan:
         self.types: dict[tuple[int, str], MPI.Datatype] = {}
         self.buffers: dict[Any, Any] = {}
         self.signatures: dict[str | None, int] = {}  # the agreement key's, per label
-        # The persistent requests per axis (see requests()) and the array they were made on
-        # (they hold it anyway).
+        # The exchange's program on the array requests_on (see program()): a flat list of
+        # (requests, None), started and waited for, and (dst, src), copied; spans: per axis
+        # (axis, start, stop) in it; persistent: the request lists, one per axis with a comm.
+        self.ops: list[tuple[Any, Any]] = []
+        self.spans: list[tuple[Axis, int, int]] = []
         self.persistent: list[list[MPI.Prequest]] = []
         self._requests_at: int | None = None
         self.requests_on: Any = None
@@ -146,47 +208,77 @@ class Plan:
                                           + down * count(ax.send_down, shape))
             ax.received = x.dtype.itemsize * (down * count(ax.recv_lo, shape)
                                               + up * count(ax.recv_hi, shape))
-            # The forward's two Sendrecv, ready to go: (send region, to, tag, receive region,
-            # from), each region a view when it is one contiguous run of the padded array
-            # (MPICH moves a plain buffer 4-5 us sooner than the same bytes as a subarray
-            # datatype), else its subarray datatype.
-            ax.pairs = () if not self.subarrays or ax.comm is None else (
-                (self._face(ax, "send_up"), ax.upper, UP, self._face(ax, "recv_lo"), ax.lower),
-                (self._face(ax, "send_down"), ax.lower, DOWN, self._face(ax, "recv_hi"),
-                 ax.upper))
-        # Every axis exchanged through persistent requests: an exchange is only their
-        # Startall + Waitall, axis after axis.
-        self.direct = self.subarrays and all(ax.pairs for ax in self.axes)
+        # A NumPy exchange runs its program (CuPy faces go through _move: staged, synced).
+        self.direct = self.numpy
 
-    def requests(self, padded: Any) -> list[list[MPI.Prequest]]:
-        """Per axis with subarray faces, the forward's four persistent requests on
-        ``padded`` (both receives, then both sends): made once per array address, so a
-        reused padded array starts them again without building any message (2-3 us less
-        per axis than two ``Sendrecv``, on MPICH)."""
+    def program(self, padded: np.ndarray) -> list[tuple[Any, Any]]:
+        """The exchange of ``padded`` as a flat list of operations (see ``ops``), made once
+        per array address: a reused padded array starts its requests again without
+        building any message (2-3 us less per axis than two ``Sendrecv``, on MPICH)."""
         if padded is self.requests_on:  # the same array object: the same memory
-            return self.persistent
+            return self.ops
         at = padded.ctypes.data  # ~2 us: only for an array not seen last
         if self._requests_at != at:
             self.free_requests()
-            self.persistent.extend(
-                [req for send, dest, tag, recv, source in ax.pairs
-                 for req in (ax.comm.Recv_init(_message(padded, recv), source, tag),
-                             ax.comm.Send_init(_message(padded, send), dest, tag))]
-                for ax in self.axes if ax.pairs)
+            self._build(padded)
             self._requests_at = at
         self.requests_on = padded
-        return self.persistent
+        return self.ops
+
+    def _build(self, padded: np.ndarray) -> None:
+        for ax in self.axes:
+            start = len(self.ops)
+            if ax.comm is None:  # alone on a periodic axis: my own opposite faces
+                for recv, send in (("recv_lo", "send_up"), ("recv_hi", "send_down")):
+                    region = getattr(ax, recv)
+                    if count(region, self.shape):
+                        self.ops += _pieces(_runs(padded, region),
+                                            _runs(padded, getattr(ax, send)))
+            else:
+                self._build_messages(ax, padded)
+            self.spans.append((ax, start, len(self.ops)))
+
+    def _build_messages(self, ax: Axis, padded: np.ndarray) -> None:
+        """An axis's four persistent requests (both receives, then both sends; none with
+        ``MPI.PROC_NULL``), after the packing copies of its send faces and before the
+        unpacking copies of its receive faces."""
+        receives, sends, packing, unpacking = [], [], [], []
+        for send, dest, tag, recv, source in (("send_up", ax.upper, UP, "recv_lo", ax.lower),
+                                              ("send_down", ax.lower, DOWN, "recv_hi",
+                                               ax.upper)):
+            if source != MPI.PROC_NULL:
+                message, copy = self._face(ax, recv, padded)
+                receives.append(ax.comm.Recv_init(message, source, tag))
+                if copy is not None:
+                    unpacking.append(copy)
+            if dest != MPI.PROC_NULL:
+                message, copy = self._face(ax, send, padded)
+                sends.append(ax.comm.Send_init(message, dest, tag))
+                if copy is not None:
+                    packing.append(copy[::-1])
+        requests = receives + sends
+        self.persistent.append(requests)
+        self.ops += packing + [(requests, None)] + unpacking
+
+    def _face(self, ax: Axis, name: str, padded: np.ndarray) -> tuple[Any, Any]:
+        """Region ``name`` of ``ax`` as its request takes it, and the copy ``(region,
+        buffer)`` that packs or unpacks it (None in place): a contiguous run as a view of
+        ``padded``, else packed into a reused buffer or as the region's subarray datatype."""
+        region = getattr(ax, name)
+        if _contiguous(region, self.shape):
+            return [padded[region], self.mpi_type], None
+        if not self.packed and count(region, self.shape):
+            return [padded, 1, self.datatype(ax, name)], None
+        buffer = self.buffer(ax, name)
+        copy = (_runs(padded, region), _runs(padded, region, buffer)) if buffer.size else None
+        return [buffer, self.mpi_type], copy
 
     def free_requests(self) -> None:
-        """Free the persistent requests (they hold the last array they were made on)."""
+        """Free the persistent requests and the program (they hold the last array)."""
         _free_requests(self.persistent)
+        self.ops.clear()
+        self.spans.clear()
         self._requests_at = self.requests_on = None
-
-    def _face(self, ax: Axis, name: str) -> Index | MPI.Datatype:
-        """Region ``name`` of ``ax`` as a persistent request takes it: the index of a
-        contiguous run, else the region's subarray datatype."""
-        region = getattr(ax, name)
-        return region if _contiguous(region, self.shape) else self.datatype(ax, name)
 
     def datatype(self, ax: Axis, name: str) -> MPI.Datatype:
         """The committed subarray datatype of region ``name`` of ``ax`` (cached)."""

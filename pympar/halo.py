@@ -16,13 +16,20 @@ contract, ``<H x, y> == <x, H* y>`` summed over ranks): the axes in reverse orde
 rank sends its ghosts' gradients back to where the forward took them from, and the owner
 adds them to its boundary cells; the gradients of the outer (zero) ghosts are dropped.
 
-Faces travel from and into the padded array itself (no copies; the default for NumPy), a
-face that is one contiguous run of it as a plain buffer and any other as an MPI subarray
-datatype, through persistent requests made once per plan and padded array (a reused array
-starts its four requests per axis, ``Startall`` + ``Waitall``, instead of two ``Sendrecv``
-that rebuild their messages), or packed into reused contiguous buffers (``faces="packed"``; always for CuPy, whose
-device buffers go to MPI as :mod:`pympar.collectives` sends them, directly when
-:func:`pympar.backend.cuda_aware`, else through pinned host buffers).
+Faces travel through persistent requests made once per plan and padded array (a reused
+array starts its requests, ``Startall`` + ``Waitall`` per axis, instead of two ``Sendrecv``
+that rebuild their messages). A NumPy face that is one contiguous run of the padded array
+travels in place as a plain buffer; any other (a split later axis, leading axes) as an MPI
+subarray datatype of the padded array (``faces="subarray"``) or packed into a reused
+contiguous buffer (``faces="packed"``). The default, ``faces="auto"``, packs under MPICH,
+whose datatype engine moved such faces 2.5-3x slower than a copy and a plain send, and uses
+subarray datatypes under other MPIs (Open MPI moved them as fast or faster). CuPy faces are
+always packed, and go to MPI as :mod:`pympar.collectives` sends device buffers: directly
+when :func:`pympar.backend.cuda_aware`, else through pinned host buffers. Along an axis a
+rank holds alone (periodic, not split) its ghosts are copies of its own opposite faces,
+through views planned with the requests: each region's contiguous runs as the elements of
+one void dtype, so that NumPy copies them run by run, without the temporary it makes when
+two regions of one array interleave.
 
 Every call first checks with the neighbours it exchanges with, along each exchanged axis
 (:mod:`pympar._halo_check`: global shape, widths, leading shape, dtype, direction, label),
@@ -35,9 +42,11 @@ for a face (they raise :class:`~pympar.errors.PeerEndedError`, or return with ev
 right when theirs came before). A repeated call (a known shape) costs one dictionary lookup and the check of
 a signature hashed once per plan and label (about 1.5 us, against 5-6 us when the key was
 hashed on every call); the padded array of the previous call again, unchanged, under the
-same label, skips even the lookup. On the same padded array object with unpacked faces the
-exchange itself is then only ``Startall`` + ``Waitall`` per axis (no ``ndarray.ctypes``,
-~2 us, to learn the array's address, and nothing else in Python while statistics are off).
+same label, skips even the lookup. On the same NumPy padded array object the exchange is
+then only its program (``_halo_plan.Plan.program``): per axis
+``Startall`` + ``Waitall``, or the copies of its wrap, and the copies of packed faces (no
+``ndarray.ctypes``, ~2 us, to learn the array's address, and nothing else in Python while
+statistics are off).
 """
 
 from __future__ import annotations
@@ -50,14 +59,14 @@ from mpi4py import MPI
 
 from . import _agreement, _halo_check, backend, debug, stats
 from ._board import REFUSED
-from ._halo_plan import DOWN, UP, Axis, Plan, widths
+from ._halo_plan import DOWN, FACES, UP, Axis, Plan, widths
 from ._neighbours import NeighbourBoard
 from ._plans import signature
 from .decomposition import Decomposition, agree_all
 
 __all__ = ["HaloExchange"]
 
-_startall, _waitall = MPI.Prequest.Startall, MPI.Request.Waitall
+_startall, _waitall, _copyto = MPI.Prequest.Startall, MPI.Request.Waitall, np.copyto
 
 def _account(ax: Axis, operation: str, start: float) -> None:
     """Record one axis's messages with the statistics recorders (a local copy sends none)."""
@@ -65,6 +74,29 @@ def _account(ax: Axis, operation: str, start: float) -> None:
         sent, received = ((ax.sent, ax.received) if operation == "halo.exchange"
                           else (ax.received, ax.sent))
         stats.add(ax.group_name, operation, sent, received, time.perf_counter() - start)
+
+
+def _run(plan: Plan, ops: list[tuple[Any, Any]]) -> None:
+    """Run (part of) an exchange's program (:meth:`Plan.program`): start and wait for each
+    axis's requests, make each copy. An MPI error is a neighbour's poison: complete the
+    failed requests, poison the later messages, raise
+    :class:`~pympar.errors.PeerEndedError`."""
+    first = None
+    try:
+        for first, second in ops:
+            if second is None:
+                _startall(first)
+                _waitall(first)
+            else:
+                _copyto(first, second)
+    except MPI.Exception as err:
+        _poisoned(plan, first, err)
+
+
+def _poisoned(plan: Plan, requests: list[MPI.Prequest], error: Exception) -> None:
+    """:func:`_run`'s error in ``requests``, the requests of one axis of the program."""
+    axis = next(i for i, r in enumerate(plan.persistent) if r is requests)
+    _halo_check.poisoned(plan, "exchange", 2 * axis + 2, error, requests)
 
 
 def _settled(requests: list[MPI.Request]) -> None:
@@ -88,9 +120,12 @@ class HaloExchange:
         Ghost cells per side: one int for every axis, or per axis an int or a
         ``(lo, hi)`` pair. A halo comes from the nearest neighbour only, so along an
         exchanged axis it may be at most the smallest block's extent.
-    faces : {"subarray", "packed"}, default "subarray"
-        How NumPy faces reach MPI: as subarray datatypes of the padded array, or copied
-        into reused contiguous buffers. CuPy arrays are always packed.
+    faces : {"auto", "subarray", "packed"}, default "auto"
+        How NumPy faces that are not one contiguous run of the padded array reach MPI: as
+        subarray datatypes of the padded array, or copied through reused contiguous
+        buffers; ``"auto"``: packed under MPICH, subarray datatypes under other MPIs (see
+        the module docstring). Contiguous faces always travel in place; CuPy faces are
+        always packed.
 
     Attributes
     ----------
@@ -122,15 +157,15 @@ class HaloExchange:
     """
 
     def __init__(self, decomposition: Decomposition, width: int | Sequence[Any] = 1,
-                 faces: str = "subarray") -> None:
+                 faces: str = "auto") -> None:
         if not isinstance(decomposition, Decomposition):
             raise TypeError(f"HaloExchange: decomposition must be a pympar Decomposition, "
                             f"not {type(decomposition).__name__}")
         d = decomposition
         self.decomposition, self.faces = d, faces
         self._groups = d.split_groups()
-        error = None if faces in ("subarray", "packed") else ValueError(
-            f"HaloExchange: faces must be 'subarray' or 'packed', not {faces!r}")
+        error = None if faces in FACES else ValueError(
+            f"HaloExchange: faces must be 'auto', 'subarray' or 'packed', not {faces!r}")
         try:
             self.widths = widths(width, d.ndim)
         except (TypeError, ValueError) as err:
@@ -164,7 +199,7 @@ class HaloExchange:
         # (padded array, direction, label, plan, signature) of the last fitting call.
         self._last: tuple | None = None
         # The exchange's own hot path: (padded, label, shape, dtype, signature, plan,
-        # requests) of the previous exchange while nothing else has run since.
+        # program) of the previous exchange while nothing else has run since.
         self._ready: tuple | None = None
 
     def __repr__(self) -> str:
@@ -246,10 +281,10 @@ class HaloExchange:
         ready = self._ready
         if ready is not None and ready[0] is padded:
             # The array of the previous exchange again, as it was (see _plan): its check,
-            # then its requests, and no other Python. (Each 100 ns of Python here cost about
+            # then its program, and no other Python. (Each 100 ns of Python here cost about
             # 0.4 us, 1.5 %, of an exchange of small faces: 2 ranks on the 2-core VM.)
             # _agreement._label is within(None), and stats._active is_recording().
-            _, name, shape, dtype, sig, plan, persistent = ready
+            _, name, shape, dtype, sig, plan, program = ready
             if (name == _agreement._label and not stats._active and padded.shape == shape
                     and padded.dtype is dtype):
                 one = self._one_check
@@ -260,20 +295,13 @@ class HaloExchange:
                     if differ:
                         _halo_check.check(self._checks, sig, plan.shown, name, plan,
                                           "exchange", first=differ)
-                try:
-                    for started in persistent:
-                        _startall(started)
-                        _waitall(started)
-                except MPI.Exception as err:  # a neighbour's poison: it failed
-                    _halo_check.poisoned(plan, "exchange", 2 * persistent.index(started) + 2,
-                                         err, started)
+                _run(plan, program)
                 return padded
         plan = self._plan(padded, "exchange")
         self._exchange(plan, padded)
         if plan.direct and plan.requests_on is padded:
             _, _, name, _, sig = self._last
-            self._ready = (padded, name, plan.shape, plan.dtype, sig, plan,
-                           plan.persistent)
+            self._ready = (padded, name, plan.shape, plan.dtype, sig, plan, plan.ops)
         return padded
 
     def adjoint(self, padded: Any) -> Any:
@@ -374,33 +402,26 @@ class HaloExchange:
 
     def _exchange(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
-        if plan.direct and not recording:  # the hot path: nothing but MPI
-            persistent = plan.requests(padded)
-            try:
-                for started in persistent:
-                    _startall(started)
-                    _waitall(started)
-            except MPI.Exception as err:  # a neighbour's poison: it failed
-                _halo_check.poisoned(plan, "exchange", 2 * persistent.index(started) + 2, err,
-                                     started)
+        if plan.direct:  # NumPy: the program, axis after axis while recording
+            ops = plan.program(padded)
+            if not recording:
+                _run(plan, ops)
+                return
+            for ax, start, stop in plan.spans:
+                began = time.perf_counter()
+                _run(plan, ops[start:stop])
+                _account(ax, "halo.exchange", began)
             return
-        requests = iter(plan.requests(padded) if plan.subarrays else ())
         done = 0  # message units made (see _halo_check.units): two per axis with a comm
         try:
             for ax in plan.axes:
                 start = time.perf_counter() if recording else 0.0
-                if ax.pairs:  # subarray datatypes: MPI reads and writes the array itself
-                    started = next(requests)
-                    done += 2
-                    MPI.Prequest.Startall(started)
-                    _settled(started)
-                else:
-                    done += ax.comm is not None
-                    self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
-                               False)
-                    done += ax.comm is not None
-                    self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper,
-                               DOWN, False)
+                done += ax.comm is not None
+                self._move(plan, ax, padded, "send_up", "recv_lo", ax.upper, ax.lower, UP,
+                           False)
+                done += ax.comm is not None
+                self._move(plan, ax, padded, "send_down", "recv_hi", ax.lower, ax.upper,
+                           DOWN, False)
                 if recording:
                     _account(ax, "halo.exchange", start)
         except MPI.Exception as err:  # a neighbour's poison: it failed

@@ -27,6 +27,7 @@ P = WORLD.Get_size()
 PX = 2 if P % 2 == 0 else 1
 PY = P // PX
 LAYOUTS = ["axis0", "axis1", "grid"]
+FACES = ["auto", "subarray", "packed"]
 PERIODIC = [pytest.param((False, False), id="walls"), pytest.param((True, True), id="torus"),
             pytest.param((True, False), id="channel")]
 
@@ -92,7 +93,7 @@ def field(shape, seed=0, dtype=np.float64):
 
 
 @pytest.mark.parametrize("xp_name", XPS)
-@pytest.mark.parametrize("faces", ["subarray", "packed"])
+@pytest.mark.parametrize("faces", FACES)
 @pytest.mark.parametrize("periodic", PERIODIC)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape, width", [((16, 24), 1),                  # even (2, 4, 8 ranks)
@@ -121,7 +122,7 @@ def test_ghosts_are_slices_of_the_gathered_field(mesh, layout, periodic, faces, 
     halo.free()
 
 
-@pytest.mark.parametrize("faces", ["subarray", "packed"])
+@pytest.mark.parametrize("faces", FACES)
 @pytest.mark.parametrize("periodic", PERIODIC)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_adjoint_is_exact(mesh, layout, periodic, faces):
@@ -219,6 +220,88 @@ def test_unsplit_periodic_axis_wraps_locally(mesh):
     assert_equal(halo.forward(d.take(full)),
                  my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
                                  halo.widths), "forward")
+
+
+@pytest.mark.parametrize("faces", FACES)
+@pytest.mark.parametrize("periodic", PERIODIC)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_numpy_exchange_runs_its_program(mesh, layout, periodic, faces):
+    """Split axes, walls, and axes a rank holds alone (the wrap: copies of planned views):
+    from the second call on, an exchange of the same array is its program alone, and fills
+    the ghosts as numpy.pad does, leaving those where a non-periodic field ends as they
+    were."""
+    d = Decomposition((16, 24), split(mesh, layout), periodic)
+    halo = HaloExchange(d, 1, faces=faces)
+    full = field((3, 16, 24), seed=11)
+    want = my_padded_block(padded_reference(full, halo.widths, periodic), d, halo.widths)
+    inside = halo.forward(np.ones((3, *d.local_shape))) != 0
+    pad = halo.empty((3,))
+    for call in range(3):
+        pad[...] = -7.0
+        halo.inner(pad)[...] = d.take(full)
+        halo.exchange(pad)
+        assert_equal(pad[inside], want[inside], f"exchange, call {call}")
+        agree(bool((pad[~inside] == -7).all()), f"call {call}: outer ghosts were written")
+        ready = halo._ready
+        agree(ready is not None and ready[0] is pad and ready[-1] is ready[5].ops,
+              f"call {call}: the exchange left its program")
+    halo.free()
+
+
+def test_the_wrap_of_an_axis_held_alone_makes_no_temporary(mesh):
+    """A 3-D field split along its first axis (on one rank: not at all), periodic: the two
+    axes a rank holds alone wrap by copies of planned views, with no temporary array where
+    NumPy's own copy of one face of an array onto another makes one."""
+    import tracemalloc
+
+    shape = (2 * P, 40, 512)
+    d = Decomposition(shape, {0: mesh["xy"]}, True)
+    halo = HaloExchange(d, 1)
+    full = field(shape, seed=12)
+    want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
+    pad = halo.empty()
+    halo.inner(pad)[...] = d.take(full)
+    halo.exchange(pad)
+
+    def grown(call) -> int:
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        call()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak - before
+
+    face = pad[:, 0, 1:-1]  # the wrap along axis 1, a row of every plane
+    numpy_copy = grown(lambda: face.__setitem__(Ellipsis, pad[:, 40, 1:-1]))
+    exchange = grown(lambda: halo.exchange(pad))
+    agree(numpy_copy >= face.nbytes and exchange < face.nbytes // 4,
+          f"bytes allocated: NumPy's copy of the face {numpy_copy}, the exchange {exchange} "
+          f"(a face: {face.nbytes})")
+    assert_equal(pad, want, "exchange")
+    halo.free()
+
+
+@pytest.mark.parametrize("shape, width", [((5, 9, 16), 2),
+                                          ((3, 9, 8), ((1, 2), (2, 1), (1, 1)))])
+@pytest.mark.parametrize("faces", FACES)
+def test_wide_wraps_with_leading_axes(mesh, shape, width, faces):
+    """Ghosts two cells wide along every axis of a field with a leading axis, split along
+    its last axis only: each wrap of an axis a rank holds alone interleaves with its
+    opposite face (copied in pieces), and the exchange and its adjoint stay exact."""
+    if shape[2] // P < (2 if width == 2 else 1):
+        pytest.skip("blocks narrower than the halo")
+    d = Decomposition(shape, {2: mesh["xy"]}, True)
+    halo = HaloExchange(d, width, faces=faces)
+    full = field((2, *shape), seed=13)
+    want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
+    for _ in range(2):
+        assert_equal(halo.forward(d.take(full)), want, "forward")
+    rng = np.random.default_rng(21 + WORLD.rank)
+    x, g = rng.standard_normal((2, *d.local_shape)), rng.standard_normal((2, *halo.padded_shape))
+    lhs = WORLD.allreduce(float(np.vdot(halo.forward(x), g)))
+    rhs = WORLD.allreduce(float(np.vdot(x, halo.backward(g))))
+    agree(abs(lhs - rhs) <= 1e-12 * abs(lhs), f"{lhs!r} != {rhs!r}")
+    halo.free()
 
 
 @pytest.mark.parametrize("periodic", [True, False])
