@@ -45,6 +45,9 @@ from .topology import PipelineGroup, as_pipeline
 
 __all__ = ["StageTransfer"]
 
+# The communicators of failed transfers, never freed (see StageTransfer.free).
+_KEPT: list[MPI.Intracomm] = []
+
 
 class StageTransfer:
     """The point-to-point pairs between neighbouring pipeline stages.
@@ -142,33 +145,47 @@ class StageTransfer:
         return self._recv(micro_batch, "backward", self.pipeline.next_rank, xp)
 
     def finish(self) -> None:
-        """End this call: complete the sends, tell both neighbours, and wait for theirs.
+        """End this call: every stage returns from it, or every stage raises.
 
-        A neighbour that still sends data, or ended another call, makes every stage raise
+        Two waves of a small header run through the pipeline: from the last stage back to
+        the first, then from the first on to the last. A stage passes a wave on once it has
+        ended its own call, so that one returns only when every stage has ended well; a
+        stage that fails stops the waves and tells its neighbours instead. A neighbour that
+        still sends data, or ended another call, makes every stage raise
         (:class:`~pympar.errors.CollectiveMismatchError`).
         """
         self._check()
         if self.comm is None:
             return
         sig, shown = self._call("done")
-        peers = self._neighbours()
-        words = [_wire.empty_header() for _ in peers]
+        pipe, what = self.pipeline, f"{shown} (StageTransfer.finish)"
         mine = _wire.header(_wire.DONE, sig, -1, shown)
-        requests = [self.comm.Irecv(w, p, self._header_tag(p, incoming=True))
-                    for w, p in zip(words, peers)]
-        requests += [self.comm.Isend(mine, p, self._header_tag(p, incoming=False))
-                     for p in peers]
-        self._wait(requests, f"{shown} (StageTransfer.finish)", peers)
-        self._wait([r for r, _ in self._sends], f"{shown} (the sends)", peers)
+        if pipe.is_first:
+            self._sends.append((self.comm.Isend(mine, pipe.next_rank, _wire.FORWARD_HEADER),
+                                mine))
+        if not pipe.is_last:  # every later stage has ended well
+            self._done(pipe.next_rank, _wire.BACKWARD_HEADER, sig, shown, what)
+        if not pipe.is_first:
+            self._sends.append((self.comm.Isend(mine, pipe.prev_rank, _wire.BACKWARD_HEADER),
+                                mine))
+            self._done(pipe.prev_rank, _wire.FORWARD_HEADER, sig, shown, what)  # earlier too
+            if not pipe.is_last:
+                self._sends.append((self.comm.Isend(mine, pipe.next_rank,
+                                                    _wire.FORWARD_HEADER), mine))
+        self._wait([r for r, _ in self._sends], f"{shown} (the sends)", self._neighbours())
         self._sends.clear()
         self._sent.clear()
-        for w, p in zip(words, peers):
-            theirs = _wire.read_header(w)
-            if theirs["kind"] != _wire.DONE or theirs["sig"] != sig:
-                said = (f"sent micro-batch {theirs['micro_batch']} of {theirs['shown']}"
-                        if theirs["kind"] == _wire.DATA else f"ended {theirs['shown']}")
-                self._mismatch(p, f"{where(self.pipeline.group, p)} {said}, while "
-                                  f"{self._me()} ended {shown}")
+
+    def _done(self, peer: int, tag: int, sig: int, shown: str, what: str) -> None:
+        """Receive ``peer``'s end of the call; a mismatch when it is data or another call."""
+        words = _wire.empty_header()
+        self._wait([self.comm.Irecv(words, peer, tag)], what, [peer])
+        theirs = _wire.read_header(words)
+        if theirs["kind"] != _wire.DONE or theirs["sig"] != sig:
+            said = (f"sent micro-batch {theirs['micro_batch']} of {theirs['shown']}"
+                    if theirs["kind"] == _wire.DATA else f"ended {theirs['shown']}")
+            self._mismatch(peer, f"{where(self.pipeline.group, peer)} {said}, while "
+                                 f"{self._me()} ended {shown}")
 
     def abort(self, error: BaseException) -> None:
         """Tell both neighbours that this stage ended by ``error`` (raised by its own code,
@@ -186,7 +203,12 @@ class StageTransfer:
                                     f"error)")
 
     def free(self) -> None:
-        """Release the communicator (collective over the group; idempotent)."""
+        """Release the communicator (collective over the group; idempotent).
+
+        A transfer that failed keeps its communicator to the end of the program: messages
+        its failure left unreceived must never meet the calls of a later communicator, which
+        MPI may give the freed one's identity.
+        """
         _board._LIVE.discard(self)
         for _, _, request in self._listening:
             if not request.Test():
@@ -194,7 +216,10 @@ class StageTransfer:
                 request.Wait()
         self._listening.clear()
         if self.comm is not None:
-            self.comm.Free()
+            if self.failed is None:
+                self.comm.Free()
+            else:
+                _KEPT.append(self.comm)
             self.comm = None
         self.failed = self.failed or RuntimeError(f"{self!r} has been freed")
 
