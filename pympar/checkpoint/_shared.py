@@ -156,6 +156,11 @@ def block_key(t: Tensor) -> int:
     return call_key(repr(boxes))
 
 
+def held(t: Tensor) -> int:
+    """The elements of tensor ``t`` this rank holds (none where it is absent)."""
+    return sum(math.prod(s.stop - s.start for s in g) for g, _ in t.placement.pieces())
+
+
 def replicas(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[tuple[int, int]]:
     """Per tensor, ``(count, index)``: how many ranks hold this rank's block, and which of
     them this rank is; collective.
@@ -164,7 +169,7 @@ def replicas(comm: MPI.Intracomm, tensors: list[Tensor]) -> list[tuple[int, int]
     distinct blocks must tile the full array exactly.
     """
     size = comm.Get_size()
-    mine = np.array([[block_key(t), math.prod(t.placement.local_shape)] for t in tensors],
+    mine = np.array([[block_key(t), held(t)] for t in tensors],
                     dtype=np.int64).reshape(len(tensors), 2)
     every = np.empty((size, len(tensors), 2), dtype=np.int64)
     comm.Allgather(mine, every)

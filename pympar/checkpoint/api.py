@@ -17,8 +17,8 @@ import shutil
 import stat
 from typing import Any
 
-from . import exchange, loading, saving
-from ._shared import attempt, default_comm, shares
+from . import exchange, loading, parts, saving
+from ._shared import attempt, default_comm, shares, tensors_of
 from .checksums import gather_digests
 from .files import Buffer
 from .format import FORMAT, MANIFEST
@@ -39,7 +39,9 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
         The checkpoint directory to create; it must not exist. Its parent is created if needed.
     model : Module
         Each parameter is saved under its dotted name as the full serial-layout array, from
-        every rank's block (``Parameter.placement``).
+        every rank's block (``Parameter.placement``). A model that holds part of a model
+        (``holds_part_of_model``: a pipeline stage) saves its parameters, and the other
+        ranks' parts theirs: the checkpoint is the whole model's.
     optimizer : Optimizer or ZeroRedundancyOptimizer, optional
         Its moments are saved as ``optimizer/<param name>/<key>`` tensors, its step counts and
         hyperparameters in the manifest. Each rank writes the block its
@@ -75,6 +77,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     buffer = Buffer(BUFFER_BYTES)
     tensors, meta = attempt(comm, saving.prepare, rank, path, model, optimizer, step, extra,
                             keep)
+    tensors, meta = parts.complete(comm, model, tensors, meta)  # a model split over ranks
     saving.compare_calls(comm, path, step, keep, tensors, meta)
     pieces = attempt(comm, shares, comm, tensors)
     temp = saving.make_temp(comm, path)
@@ -147,7 +150,8 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         A checkpoint directory written by :func:`save`.
     model : Module
         Receives every saved parameter of the same dotted name; full shapes and dtypes must
-        match, layouts need not.
+        match, layouts need not. A part of a model (a pipeline stage) receives its own, the
+        ranks together every saved one, whatever cut the saving run had.
     optimizer : Optimizer or ZeroRedundancyOptimizer, optional
         Receives the saved moments, step counts and hyperparameters (same optimizer type;
         ZeRO counts as the class it wraps), each rank reading only its block (its shard, or
@@ -177,8 +181,9 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
     directory = os.path.abspath(os.fspath(path))
     loading.compare_calls(comm, directory, optimizer)
     text = loading.read_manifest(comm, directory)
+    tensors, meta = parts.complete(comm, model, *attempt(comm, tensors_of, model, optimizer))
     manifest, tensors, state, offsets = attempt(comm, loading.check, directory, text, model,
-                                                optimizer)
+                                                optimizer, tensors, meta)
     tallies = attempt(comm, loading.read_files, comm.Get_rank(), comm.Get_size(), manifest,
                       tensors, offsets, Buffer(BUFFER_BYTES))
     loading.verify(comm, manifest, tensors, tallies)

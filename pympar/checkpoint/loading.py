@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..partition import block_slice
-from ._shared import agree, call_key, open_fd, optimizer_names, same_call, tensors_of
+from ._shared import agree, call_key, open_fd, optimizer_names, same_call
 from .checksums import AdlerSums, Chunks, verdict
 from .files import Buffer, box_runs, read_box, read_range
 from .format import MANIFEST, CheckpointError, check_header, chunk_count, logical_name, \
@@ -74,16 +74,20 @@ def _manifest_bytes(directory: str) -> bytes:
         return f.read(size)
 
 
-def check(directory: str, text: bytes, model: Any, optimizer: Any) -> tuple:
+def check(directory: str, text: bytes, model: Any, optimizer: Any, tensors: list,
+          meta: dict | None) -> tuple:
     """The manifest, tensors, optimizer state and data offsets, everything checked.
 
-    Nothing trusts the manifest: names, files, dtypes and shapes against the model, every
-    header against its entry, every file's length against its header.
+    ``tensors`` and ``meta`` are the model's and optimizer's (:func:`~pympar.checkpoint.
+    _shared.tensors_of`), completed by those held on other ranks
+    (:func:`~pympar.checkpoint.parts.complete`). Nothing trusts the manifest: names, files,
+    dtypes and shapes against the model, every header against its entry, every file's
+    length against its header.
     """
     manifest = parse_manifest(directory, text)
-    tensors, _ = tensors_of(model, optimizer)
     # The optimizer first: another optimizer type is named as such, not as missing moments.
-    state = None if optimizer is None else optimizer_state(manifest, model, optimizer)
+    state = None if optimizer is None else optimizer_state(
+        manifest, model, optimizer, set(meta["steps"]) if meta else None)
     entries = manifest["tensors"]
     names = {t.name for t in tensors}
     for t in tensors:
@@ -194,10 +198,13 @@ def verify(comm: MPI.Intracomm, manifest: dict, tensors: list, tallies: list) ->
                         [entries[t.name][key] for t in tensors]))
 
 
-def optimizer_state(manifest: dict, model: Any, optimizer: Any) -> dict:
+def optimizer_state(manifest: dict, model: Any, optimizer: Any,
+                    stepped: set[str] | None = None) -> dict:
     """The optimizer's local state with the saved steps and hyperparameters, checked.
 
     Its arrays are the live buffers, which the load then fills with the saved blocks.
+    ``stepped``: the parameters the ranks' optimizers step together (by default this one's),
+    which must be the saved optimizer's.
     """
     saved = manifest.get("optimizer")
     if not isinstance(saved, dict) or not isinstance(saved.get("steps"), dict):
@@ -208,9 +215,10 @@ def optimizer_state(manifest: dict, model: Any, optimizer: Any) -> dict:
                               f"given ({type(optimizer).__name__})")
     state = optimizer.local_state_dict()
     by_name = {n: i for i, n in enumerate(optimizer_names(model, optimizer))}
-    if set(saved["steps"]) != set(by_name):
-        extra, missing = sorted(set(by_name) - set(saved["steps"])), sorted(set(saved["steps"])
-                                                                              - set(by_name))
+    stepped = set(by_name) if stepped is None else stepped
+    if set(saved["steps"]) != stepped:
+        extra, missing = sorted(stepped - set(saved["steps"])), sorted(set(saved["steps"])
+                                                                         - stepped)
         raise CheckpointError(f"the optimizer given steps other parameters than the saved one: "
                               f"{extra[:8]}{' ...' * (len(extra) > 8)} not in the checkpoint's "
                               f"optimizer state, {missing[:8]}{' ...' * (len(missing) > 8)} "
