@@ -370,7 +370,8 @@ _CHECKPOINT: Calls = {
     "pympar.checkpoint.save": {
         **dict.fromkeys(("path", "step", "keep"), _checked(
             "compared in one exchange first (CheckpointError on every rank)")),
-        "model": _checked("its tensors' names, full shapes and dtypes are compared first"),
+        "model": _checked("its tensors' names, full shapes and dtypes are compared first (a "
+                          "part of a model, a pipeline stage: with the same names elsewhere)"),
         "optimizer": _checked("its type and hyperparameters are compared first, its tensors "
                               "with the model's; its step counts are rank 0's"),
         "extra": _local("rank 0's value is saved, by design (any JSON the program needs)"),
@@ -385,9 +386,53 @@ _CHECKPOINT: Calls = {
     },
 }
 
+# ----------------------------------------------------------------------- pipeline
+_PP = "pympar.pipeline."
+_PIPE = _group("the pipeline group: its rank s runs stage s")
+_HEADER = _checked("in every message's header, compared by the neighbour receiving it: it "
+                   "raises CollectiveMismatchError and tells its neighbours, which raise it "
+                   "too, along the pipeline")
+_WHEN_MADE = _checked("compared over the pipeline group when the schedule is made "
+                      "(settings.check_same: CollectiveMismatchError on every rank), and in "
+                      "every message's header")
+_RECEIVED = _local("the array module of the array returned: the bytes received are the same")
+_PIPELINE: Calls = {
+    _PP + "StageTransfer.__init__": {"pipeline": _PIPE, "label": _HEADER},
+    _PP + "StageTransfer.send_forward": {
+        "x": _local("the activation is data: its shape and dtype travel in the header, and "
+                    "the next stage learns them (micro-batches may be uneven)"),
+        "micro_batch": _HEADER},
+    _PP + "StageTransfer.recv_forward": {"micro_batch": _HEADER, "xp": _RECEIVED},
+    _PP + "StageTransfer.send_backward": {
+        "dx": _checked("its shape and dtype travel in the header: the previous stage compares "
+                       "them with the activation it sent (CollectiveMismatchError on every "
+                       "stage)"),
+        "micro_batch": _HEADER},
+    _PP + "StageTransfer.recv_backward": {"micro_batch": _HEADER, "xp": _RECEIVED},
+    _PP + "split_stages": {
+        "layers": _checked("their number is compared over the pipeline group "
+                           "(settings.check_same) before any is built; each stage's layers "
+                           "agree their own calls"),
+        "pipeline": _PIPE,
+        "balance": _checked("compared over the pipeline group (settings.check_same)")},
+    _PP + "PipelineSchedule.__init__": {
+        "stage": _local("this rank's layers: each agrees its own calls, and the activations "
+                        "they exchange are checked by the transfers"),
+        "pipeline": _PIPE, "micro_batches": _WHEN_MADE, "axis": _WHEN_MADE,
+        "loss": _checked("the last stage refuses a missing one in the comparison made when "
+                         "the schedule is made (every stage raises); the others ignore it"),
+        "xp": _RECEIVED, "label": _WHEN_MADE},
+    _PP + "PipelineSchedule.run": {
+        "inputs": _local("the first stage's data (the others ignore it)"),
+        "targets": _local("the last stage's data (the others ignore it)"),
+        "loss_scale": _local("scales this pipeline's loss gradient; GradScaler.step agrees "
+                             "the scale over every rank")},
+}
+
 #: Every public call that communicates -> its parameters -> how each is agreed.
 INVENTORY: Calls = {**_COLLECTIVES, **_MAPPING_CALLS, **_FFT_CALLS, **_HALO_CALLS,
-                    **_DECOMPOSITION_CALLS, **_LAYERS, **_TRAINING, **_CHECKPOINT}
+                    **_DECOMPOSITION_CALLS, **_LAYERS, **_TRAINING, **_CHECKPOINT,
+                    **_PIPELINE}
 
 #: The environment variables pympar reads -> how each is agreed.
 SETTINGS: dict[str, Agreed] = {
@@ -453,12 +498,20 @@ OUTSIDE: dict[str, str] = {
                                            "one): communicates nothing",
     "pympar.amp.self_group": "a group of this rank alone: no message",
     "pympar.checkpoint.latest": "not collective: reads this rank's view of the directory",
+    _PP + "PipelineGroup.__init__": "rank arithmetic on a group: communicates nothing",
+    _PP + "as_pipeline": _NOTHING,
+    _PP + "stage_bounds": _NOTHING,
+    _PP + "PipelineStage.__init__": _NOTHING,
+    **{_PP + f"PipelineStage.{m}": "a container: each layer inside agrees its own calls"
+       for m in ("forward", "backward")},
+    **{_PP + n: "moves a stage's own caches: communicates nothing"
+       for n in ("Caches.__init__", "take_caches", "put_caches", "check_consumed")},
 }
 
 #: The modules whose public callables are inventoried or :data:`OUTSIDE`.
 MODULES = ("pympar.collectives", "pympar.mappings", "pympar.fft", "pympar.halo",
            "pympar.decomposition", "pympar.modules", "pympar.optim", "pympar.zero",
-           "pympar.amp", "pympar.checkpoint")
+           "pympar.amp", "pympar.checkpoint", "pympar.pipeline")
 
 _SETTINGS_AGREEMENT = ("made under the job-settings agreement (pympar.settings), which "
                        "compares what every rank passed")

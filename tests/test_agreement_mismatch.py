@@ -16,7 +16,7 @@ import os
 import pytest
 
 from agreement_cases import Context
-from agreement_layer_cases import CASES  # every case: the layers' registered too
+from agreement_pipeline_cases import CASES  # every case: the layers' and pipeline's too
 from mpi_helpers import WORLD, agree
 from pympar import agreed, debug, manager
 from pympar.checkpoint import CheckpointError
