@@ -1,33 +1,50 @@
-"""Halo exchange: pympar's ``HaloExchange`` against raw mpi4py moving the same faces.
+"""Halo exchange: pympar's ``HaloExchange`` against raw mpi4py moving the same faces, and PETSc.
 
 Run on 2 ranks or more (4 adds a 2 x 2 grid)::
 
     PYTHONPATH=. mpiexec -n 2 python benchmarks/bench_halo.py \\
-        [--shapes 1024x1024,128x128x128] [--width 1] [--repeats 11] [--json PATH]
+        [--shapes 1024x1024,128x128x128] [--periodic all,none] [--width 1] \\
+        [--repeats 11] [--json PATH] [--petsc-python PATH | --no-petsc]
 
-For every shape (float64, periodic along the split axes) and layout -- ``axis0``: the first axis
-split over all ranks (contiguous faces), ``last``: the last axis split over all ranks
-(strided faces), ``grid``: the first two axes split over a ``2 x P/2`` grid (4 ranks or
-more) -- one exchange of the ghosts of width ``--width`` is timed, in interleaved rounds
-(each sample: the slowest rank's time), as:
+For every shape (float64), layout -- ``axis0``: the first axis split over all ranks
+(contiguous faces), ``last``: the last axis split over all ranks (strided faces), ``grid``:
+the first two axes split over a ``2 x P/2`` grid (4 ranks or more) -- and boundary --
+``all``: every axis periodic, so an axis that is not split wraps onto the rank itself (a
+slab's everyday case), ``none``: walls everywhere, ``split``: periodic along the split axes
+only -- one exchange of the ghosts of width ``--width`` (corners included) is timed, in
+interleaved rounds (each sample: the slowest rank's time), as:
 
-* ``pympar``: ``HaloExchange.exchange`` (a contiguous face as a plain buffer, others as
-  subarray datatypes; the agreement check included);
-* ``pympar_packed``: the same with ``faces="packed"`` (faces copied into reused buffers);
-* ``raw_sendrecv``: the anchor, plain mpi4py: two ``Sendrecv`` per split axis on the same
-  communicators, axis after axis, of each face as a slice of the array where it is one
-  contiguous run of it, else as a committed subarray datatype (as ``pympar`` sends them);
-* ``raw_neighbor``: plain mpi4py with one ``Neighbor_alltoallw`` per split axis on a
-  periodic 1-D Cartesian communicator (the neighbourhood collective);
-* ``pympar_adjoint``: ``HaloExchange.adjoint`` (sends the ghosts back and adds them).
+* ``pympar``: ``HaloExchange.exchange`` with its default faces (the agreement check
+  included); ``pympar_subarray`` and ``pympar_packed`` (where some face is strided): with
+  ``faces="subarray"`` and ``faces="packed"``;
+* ``raw_sendrecv``: the anchor, plain mpi4py as a user writes it: along each split axis two
+  ``Sendrecv`` on the same communicators, a face as a slice of the array where it is one
+  contiguous run of it, else as a committed subarray datatype; along an axis that is
+  periodic but not split, two slice copies (``u[..., 0] = u[..., -2]``);
+* ``raw_packed`` (where some face is strided): the same with each strided face copied into
+  a reused contiguous buffer and out of one (``MPI_PROC_NULL`` neighbours skipped);
+* ``raw_neighbor``: one ``Neighbor_alltoallw`` per split axis on a 1-D Cartesian
+  communicator (the neighbourhood collective), the same local copies;
+* ``pympar_adjoint``: ``HaloExchange.adjoint`` (sends the ghosts back and adds them);
+* ``petsc_global_to_local`` and ``petsc_local_to_local``, where ``petsc4py`` is importable:
+  a PETSc DMDA of the same shape, split, boundaries and stencil width (box stencil:
+  corners), updating the ghosts of a local vector from a global one (``globalToLocal``,
+  which also copies the interior) and in place from local vectors (``localToLocal``).
 
-``face_bytes`` is what one rank sends per exchange: along each split axis two faces of
-``width`` cells over the padded extent of the axes before it and the block's extent of those
-after it. The target is ``pympar <= 1.05 x raw_sendrecv``. Each ratio is the median over
-rounds of the two variants' times in the same round (as ``bench_checkpoint.py`` pairs its
-ratios): on this VM a case's times drift by 20-25 % between runs of a minute, and a round's
-samples run within a tenth of a second of each other. ``ratio_of_medians`` is kept beside
-it.
+``face_bytes`` is what one rank sends per exchange (largest rank). The target is
+``pympar <= 1.05 x`` the faster raw Sendrecv code of the case (``anchor``: ``raw_sendrecv``,
+or ``raw_packed`` where its median is lower). Each ratio is the median over rounds of the
+two variants' times in the same round (as ``bench_checkpoint.py`` pairs its ratios): on this
+VM a case's times drift by 20-25 % between runs of a minute, and a round's samples run
+within a tenth of a second of each other.
+
+Debian's ``python3-petsc4py`` is built on Debian's Open MPI and its own Python, so the
+PETSc variants run in a job of their own: when ``--petsc-python`` (default:
+``$PYMPAR_PETSC_PYTHON``, else ``.venv-petsc/bin/python`` in this repository, where it
+exists) names such an interpreter, rank 0 starts this script again under the ``mpiexec``
+beside it, with the same cases, and the JSON holds that job's results under ``petsc_job``
+(pympar and raw Sendrecv run there too, so PETSc's ratios pair with raw code of the same
+job). ``docs/howto/benchmarks.rst`` says how to make that environment.
 """
 
 from __future__ import annotations
@@ -43,83 +60,133 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, halo_petsc  # noqa: E402
 from pympar import Mesh  # noqa: E402
 from pympar.decomposition import Decomposition  # noqa: E402
 from pympar.halo import HaloExchange  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 TARGET = 1.05
-VARIANTS = ("pympar", "pympar_packed", "raw_sendrecv", "raw_neighbor", "pympar_adjoint")
+VARIANTS = ("pympar", "pympar_subarray", "pympar_packed", "raw_sendrecv", "raw_packed",
+            "raw_neighbor", "pympar_adjoint", *halo_petsc.VARIANTS)
+#: The variants that differ from others only where some face is strided.
+STRIDED_ONLY = ("pympar_subarray", "pympar_packed", "raw_packed")
+BOUNDARIES = ("all", "none", "split")
 
 
-def raw_faces(comm: MPI.Comm, local: tuple[int, ...], padded: tuple[int, ...], axis: int,
-              width: int) -> dict[str, tuple[MPI.Datatype, tuple[slice, ...]]]:
-    """The four faces of one axis's exchange, written out plainly: each as a committed
-    subarray type and as the index of the same cells."""
-    sizes, starts = [], []
-    for b, (n, m) in enumerate(zip(local, padded)):
-        sizes.append(m if b < axis else n)
-        starts.append(0 if b < axis else width)
+def raw_faces(local: tuple[int, ...], padded: tuple[int, ...], axis: int,
+              width: int) -> dict[str, tuple[slice, ...]]:
+    """The four faces of one axis's exchange, written out plainly as indices: over the
+    padded extent of the axes before ``axis`` and the block of those after it."""
     n = local[axis]
     out = {}
     for name, start in (("recv_lo", 0), ("send_up", n), ("recv_hi", width + n),
                         ("send_down", width)):
-        sub, at = list(sizes), list(starts)
-        sub[axis], at[axis] = width, start
-        out[name] = (MPI.DOUBLE.Create_subarray(list(padded), sub, at).Commit(),
-                     tuple(slice(a, a + k) for a, k in zip(at, sub)))
+        index = [slice(0, m) if b < axis else slice(width, width + k)
+                 for b, (k, m) in enumerate(zip(local, padded))]
+        index[axis] = slice(start, start + width)
+        out[name] = tuple(index)
     return out
 
 
-def raw_messages(buf: np.ndarray, faces: dict[str, tuple[MPI.Datatype, tuple]]) -> dict:
-    """Each face of ``buf`` as plain mpi4py code sends it: the slice of ``buf`` where the
-    face is one contiguous run of it (a plain buffer, which MPICH moves 4-5 us sooner than
-    the same bytes as a datatype), else ``[buf, 1, subarray type]``."""
-    return {name: buf[index] if buf[index].flags.c_contiguous else [buf, 1, t]
-            for name, (t, index) in faces.items()}
+def subarray(padded: tuple[int, ...], index: tuple[slice, ...]) -> MPI.Datatype:
+    """The committed float64 subarray datatype of ``index`` in an array of ``padded``."""
+    return MPI.DOUBLE.Create_subarray(list(padded), [s.stop - s.start for s in index],
+                                      [s.start for s in index]).Commit()
 
 
-def raw_exchanges(split: list[tuple[int, MPI.Comm]], local: tuple[int, ...], width: int,
-                  buf: np.ndarray) -> tuple[Callable[[], None], Callable[[], None], Callable]:
-    """The raw Sendrecv and neighbourhood-collective exchanges of ``buf``, and a cleanup."""
-    padded = buf.shape
-    plans, carts = [], []
-    for axis, comm in split:
-        faces = raw_faces(comm, local, padded, axis, width)
-        types = {name: t for name, (t, _) in faces.items()}
-        rank, size = comm.Get_rank(), comm.Get_size()
-        cart = comm.Create_cart([size], periods=[True], reorder=False)
+def raw_exchanges(d: Decomposition, width: int, buf: np.ndarray) -> tuple[dict, Callable]:
+    """The raw exchanges of ``buf`` (``raw_sendrecv``, ``raw_packed``, ``raw_neighbor``)
+    and a cleanup. Along a split axis each face travels as a slice where it is contiguous;
+    else as a subarray datatype, or packed through a reused buffer."""
+    padded, types, carts = buf.shape, [], []
+    steps: list[tuple] = []  # per exchanged axis, in order
+
+    def message(index: tuple[slice, ...], packed: bool) -> tuple[Any, np.ndarray | None]:
+        view = buf[index]
+        if view.flags.c_contiguous:
+            return view, None
+        if packed:
+            return np.empty(view.shape), view
+        types.append(subarray(padded, index))
+        return [buf, 1, types[-1]], None
+
+    for axis in range(d.ndim):
+        group, split = d.groups[axis], d.parts[axis] > 1
+        if not (split or d.periodic[axis]):
+            continue
+        f = raw_faces(d.local_shape, padded, axis, width)
+        if not split:  # alone on a periodic axis: two slice copies
+            steps.append(("wrap", f))
+            continue
+        lower, upper = d.neighbours(axis)
+        cart = group.comm.Create_cart([group.size], periods=[d.periodic[axis]],
+                                      reorder=False)
         carts.append(cart)
-        plans.append((comm, cart, (rank - 1) % size, (rank + 1) % size, types,
-                      raw_messages(buf, faces)))
+        kinds = [subarray(padded, f[name]) for name in ("send_down", "send_up", "recv_lo",
+                                                        "recv_hi")]
+        types.extend(kinds)
+        steps.append(("split", group.comm, lower, upper, cart, kinds,
+                      {packed: {name: message(index, packed) for name, index in f.items()}
+                       for packed in (False, True)}, f))
 
-    def sendrecv() -> None:
-        for comm, _, lower, upper, _, m in plans:
-            comm.Sendrecv(m["send_up"], upper, 1, m["recv_lo"], lower, 1)
-            comm.Sendrecv(m["send_down"], lower, 2, m["recv_hi"], upper, 2)
+    def wrap(f: dict[str, tuple[slice, ...]]) -> None:  # two slice copies
+        buf[f["recv_lo"]] = buf[f["send_up"]]
+        buf[f["recv_hi"]] = buf[f["send_down"]]
+
+    def exchange(packed: bool) -> None:
+        for step in steps:
+            if step[0] == "wrap":
+                wrap(step[1])
+                continue
+            _, comm, lower, upper, _, _, messages, f = step
+            m = messages[packed]
+            for send, dest, recv, source, tag in (("send_up", upper, "recv_lo", lower, 1),
+                                                  ("send_down", lower, "recv_hi", upper, 2)):
+                (out, face), (into, _) = m[send], m[recv]
+                if face is not None:
+                    out[...] = face
+                comm.Sendrecv(out, dest, tag, into, source, tag)
+                if m[recv][1] is not None and source != MPI.PROC_NULL:
+                    buf[f[recv]] = into
 
     ones, zeros = [1, 1], [0, 0]
 
     def neighbor() -> None:
-        for _, cart, _, _, t, _ in plans:  # neighbours of a 1-D cart: lower, then upper
-            cart.Neighbor_alltoallw([buf, (ones, zeros), [t["send_down"], t["send_up"]]],
-                                    [buf, (ones, zeros), [t["recv_lo"], t["recv_hi"]]])
+        for step in steps:
+            if step[0] == "wrap":
+                wrap(step[1])
+                continue
+            cart, (down, up, lo, hi) = step[4], step[5]  # neighbours: lower, then upper
+            cart.Neighbor_alltoallw([buf, (ones, zeros), [down, up]],
+                                    [buf, (ones, zeros), [lo, hi]])
 
     def free() -> None:
-        for _, cart, _, _, t, _ in plans:
-            for d in t.values():
-                d.Free()
+        for t in types:
+            t.Free()
+        for cart in carts:
             cart.Free()
-    return sendrecv, neighbor, free
+    return {"raw_sendrecv": lambda: exchange(False), "raw_packed": lambda: exchange(True),
+            "raw_neighbor": neighbor}, free
 
 
-def face_bytes(local: tuple[int, ...], split_axes: list[int], width: int) -> int:
+def strided(d: Decomposition, width: int, padded: tuple[int, ...]) -> bool:
+    """Whether some face of a split axis is not one contiguous run of the padded array."""
+    probe = np.empty(padded, np.uint8)
+    return any(not probe[index].flags.c_contiguous
+               for a in range(d.ndim) if d.parts[a] > 1
+               for index in raw_faces(d.local_shape, padded, a, width).values())
+
+
+def face_bytes(d: Decomposition, width: int, padded: tuple[int, ...]) -> int:
+    """Bytes this rank sends per exchange (float64): each split axis's faces to neighbours."""
     total = 0
-    for a in split_axes:
-        cells = math.prod((n + 2 * width) if b < a else (width if b == a else n)
-                          for b, n in enumerate(local))
-        total += 2 * cells * 8
+    for a in range(d.ndim):
+        if d.parts[a] > 1:
+            faces = raw_faces(d.local_shape, padded, a, width)
+            lower, upper = d.neighbours(a)
+            cells = math.prod(s.stop - s.start for s in faces["send_up"])
+            total += 8 * cells * ((lower != MPI.PROC_NULL) + (upper != MPI.PROC_NULL))
     return total
 
 
@@ -131,97 +198,121 @@ def layouts(size: int) -> dict[str, dict[str, int]]:
     return out
 
 
+def periodic_flags(boundary: str, ndim: int, axes: list[int]) -> list[bool]:
+    """The periodic flags of a boundary kind (see :data:`BOUNDARIES`)."""
+    return [boundary == "all" or (boundary == "split" and a in axes) for a in range(ndim)]
+
+
 def measure(shape: tuple[int, ...], layout: str, sizes: dict[str, int], width: int,
-            args: argparse.Namespace) -> dict[str, Any]:
+            args: argparse.Namespace, boundary: str = "all") -> dict[str, Any]:
     mesh = Mesh(WORLD, sizes, order="-".join(sizes))
     groups = [mesh.group(axis) for axis in sizes]
     axes = {"axis0": [0], "last": [len(shape) - 1], "grid": [0, 1]}[layout]
-    # Periodic along the split axes only: no local wrap of the others, which raw skips.
-    d = Decomposition(shape, dict(zip(axes, groups)), [a in axes for a in range(len(shape))])
-    halos = {"pympar": HaloExchange(d, width), "pympar_packed": HaloExchange(d, width,
-                                                                              faces="packed")}
+    d = Decomposition(shape, dict(zip(axes, groups)), periodic_flags(boundary, len(shape), axes))
+    halos = {"pympar": HaloExchange(d, width),
+             "pympar_subarray": HaloExchange(d, width, faces="subarray"),
+             "pympar_packed": HaloExchange(d, width, faces="packed")}
     rng = np.random.default_rng(WORLD.rank)
     buf = halos["pympar"].empty()
     buf[...] = rng.standard_normal(buf.shape)
-    sendrecv, neighbor, free = raw_exchanges([(a, g.comm) for a, g in zip(axes, groups)],
-                                             d.local_shape, width, buf)
-    # The variants must agree before any is timed.
+    raw, free = raw_exchanges(d, width, buf)
+    calls_of: dict[str, Callable[[], Any]] = {
+        **{name: (lambda h=h: h.exchange(buf)) for name, h in halos.items()}, **raw}
+    if not strided(d, width, buf.shape):  # the same code as pympar's and raw_sendrecv's
+        for name in STRIDED_ONLY:
+            calls_of.pop(name)
+    # The variants must agree before any is timed (every ghost; outer ones untouched).
     reference = buf.copy()
-    sendrecv()
+    raw["raw_sendrecv"]()
     want = buf.copy()
-    for check in (neighbor, lambda: halos["pympar"].exchange(buf),
-                  lambda: halos["pympar_packed"].exchange(buf)):
+    for name, check in calls_of.items():
         buf[...] = reference
         check()
         if not np.array_equal(buf, want):
-            raise AssertionError(f"bench_halo: a variant's ghosts differ from raw Sendrecv's "
-                                 f"({shape}, {layout})")
+            raise AssertionError(f"bench_halo: {name}'s ghosts differ from raw Sendrecv's "
+                                 f"({shape}, {layout}, {boundary})")
+    buf[...] = reference
+    petsc, free_petsc = (halo_petsc.exchanges(d, width) if getattr(args, "petsc_variants", False)
+                         else ({}, lambda: None))
+    calls_of.update(petsc)
     gradient = reference.copy()  # the adjoint's own array: it adds into it every call
-    calls_of: dict[str, Callable[[], Any]] = {
-        "pympar": lambda: halos["pympar"].exchange(buf),
-        "pympar_packed": lambda: halos["pympar_packed"].exchange(buf),
-        "raw_sendrecv": sendrecv, "raw_neighbor": neighbor,
-        "pympar_adjoint": lambda: halos["pympar"].adjoint(gradient)}
-    once = common.timed_parallel(WORLD, sendrecv, 3)
+    calls_of["pympar_adjoint"] = lambda: halos["pympar"].adjoint(gradient)
+    once = common.timed_parallel(WORLD, raw["raw_sendrecv"], 3)
     calls = int(WORLD.bcast(min(1000, max(1, math.ceil(args.sample_seconds / max(once, 1e-7))))))
     samplers = {name: (lambda fn=fn: common.timed_parallel(WORLD, fn, calls))
                 for name, fn in calls_of.items()}
     samples = common.interleaved(samplers, args.repeats, args.warmup, WORLD)
     median = {name: common.median(s) for name, s in samples.items()}
     free()
+    free_petsc()
     for h in halos.values():
         h.free()
     for g in groups:
         g.free()
-    mine = face_bytes(d.local_shape, axes, width)
 
-    def paired(a: str, b: str) -> float:  # time of a over time of b, round by round
-        return common.paired_ratio(samples[a], samples[b])
+    def paired(a: str, b: str) -> float | None:  # time of a over time of b, round by round
+        return common.paired_ratio(samples[a], samples[b]) if a in samples else None
 
-    return {"shape": list(shape), "layout": layout, "parts": list(d.parts), "width": width,
+    anchor = min(("raw_sendrecv", "raw_packed"), key=lambda v: median.get(v, math.inf))
+    return {"shape": list(shape), "layout": layout, "boundary": boundary,
+            "periodic": list(d.periodic), "parts": list(d.parts), "width": width,
             "calls_per_sample": calls,
-            "face_bytes_max": int(WORLD.allreduce(mine, op=MPI.MAX)),
+            "face_bytes_max": int(WORLD.allreduce(face_bytes(d, width, buf.shape),
+                                                  op=MPI.MAX)),
             "median_us": {k: v * 1e6 for k, v in median.items()},
             "samples_us": {k: [t * 1e6 for t in v] for k, v in samples.items()},
-            "ratio": paired("pympar", "raw_sendrecv"),
-            "ratio_of_medians": median["pympar"] / median["raw_sendrecv"],
-            "ratio_packed": paired("pympar_packed", "raw_sendrecv"),
-            "neighbor_over_sendrecv": paired("raw_neighbor", "raw_sendrecv")}
+            "anchor": anchor, "ratio": paired("pympar", anchor),
+            "ratio_of_medians": median["pympar"] / median[anchor],
+            "ratio_sendrecv": paired("pympar", "raw_sendrecv"),
+            "ratio_packed": paired("pympar_packed", anchor),
+            "ratio_subarray": paired("pympar_subarray", anchor),
+            "neighbor_over_sendrecv": paired("raw_neighbor", "raw_sendrecv"),
+            **{f"{v}_over_raw": paired(v, anchor) for v in petsc}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1024x1024,128x128x128",
-                        help="global field shapes, comma-separated (e.g. 512x512,64x64x64)")
+                        help="global field shapes, comma-separated (e.g. 4096,512x512,64x64x64)")
+    parser.add_argument("--periodic", default="all,none",
+                        help=f"boundaries, comma-separated, of {', '.join(BOUNDARIES)}")
     parser.add_argument("--width", type=int, default=1, help="ghost cells per side")
     parser.add_argument("--repeats", type=int, default=11, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed samples per variant")
     parser.add_argument("--sample-seconds", type=float, default=0.005,
                         help="about how long one sample runs (calls per sample follow)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    halo_petsc.add_arguments(parser)
     args = parser.parse_args(argv)
-    if WORLD.size < 2:
-        common.say(WORLD, "bench_halo: needs at least 2 ranks")
+    boundaries = args.periodic.split(",")
+    if WORLD.size < 2 or not set(boundaries) <= set(BOUNDARIES):
+        common.say(WORLD, "bench_halo: needs at least 2 ranks, and --periodic of "
+                          f"{', '.join(BOUNDARIES)}")
         return 2
+    args.petsc_variants = halo_petsc.available()
     info = common.machine_info(WORLD)
     cases = []
     with common.blas_threads(1):
         for text in args.shapes.split(","):
             shape = tuple(int(n) for n in text.lower().split("x"))
             for layout, sizes in layouts(WORLD.size).items():
-                if layout == "grid" and len(shape) < 2:
+                if len(shape) < (2 if layout != "axis0" else 1):
                     continue
-                case = measure(shape, layout, sizes, args.width, args)
-                cases.append(case)
-                common.say(WORLD, f"  {text} {layout} w={args.width}: "
-                                  + ", ".join(f"{k} {v:.1f} us" for k, v in
-                                              case["median_us"].items())
-                                  + f"; pympar / raw Sendrecv {case['ratio']:.3f}")
+                for boundary in boundaries:
+                    case = measure(shape, layout, sizes, args.width, args, boundary)
+                    cases.append(case)
+                    common.say(WORLD, f"  {text} {layout} {boundary} w={args.width}: "
+                                      + ", ".join(f"{k} {v:.1f} us" for k, v in
+                                                  case["median_us"].items())
+                                      + f"; pympar / {case['anchor']} {case['ratio']:.3f}")
     nodes = common.nodes(WORLD)
+    petsc_job = halo_petsc.spawn(WORLD, args, argv if argv is not None else sys.argv[1:])
     if WORLD.rank == 0:
-        common.write_json(args.json, {"benchmark": "halo", "machine": info, "args": vars(args),
-                                      "ranks": WORLD.size, "nodes": nodes, "target": TARGET,
-                                      "cases": cases})
+        common.write_json(args.json, {
+            "benchmark": "halo", "machine": info,
+            "args": {k: v for k, v in vars(args).items() if k != "petsc_variants"},
+            "ranks": WORLD.size, "nodes": nodes, "target": TARGET,
+            "petsc": args.petsc_variants, "cases": cases, "petsc_job": petsc_job})
     return 0
 
 
