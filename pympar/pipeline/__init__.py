@@ -2,7 +2,7 @@
 flowing through them.
 
 * :class:`PipelineGroup`: the stages as a value over a pympar ``Group`` (first and last
-  stage, previous and next rank).
+  stage, previous and next rank; :mod:`pympar.pipeline.topology`).
 * :class:`StageTransfer`: activations to the next stage and their gradients back, agreed
   with the neighbouring stage only (:mod:`pympar.pipeline.transfer`).
 * :func:`split_stages`, :class:`PipelineStage`, :func:`stage_bounds`: a chain of layers cut
@@ -14,14 +14,37 @@ flowing through them.
 Data parallelism, ZeRO, the loss scaler and ``Recompute`` work per stage;
 :func:`pympar.checkpoint.save` writes the serial checkpoint whatever the cut, and
 :func:`~pympar.checkpoint.load` reads it under any other.
+
+The names load with their module on first use, so that a lower floor (the manager) can
+import :mod:`pympar.pipeline.topology` without the schedules, which import the layers.
 """
 
-from .caches import Caches, check_consumed, put_caches, take_caches
-from .schedules import GPipe, OneFOneB, PipelineSchedule
-from .stages import PipelineStage, split_stages, stage_bounds
-from .topology import PipelineGroup, as_pipeline
-from .transfer import StageTransfer
+from __future__ import annotations
 
-__all__ = ["PipelineGroup", "as_pipeline", "StageTransfer", "PipelineStage", "split_stages",
-           "stage_bounds", "PipelineSchedule", "GPipe", "OneFOneB", "Caches", "take_caches",
-           "put_caches", "check_consumed"]
+import importlib
+from typing import Any
+
+#: Each public name -> the module that defines it.
+_HOMES = {
+    "PipelineGroup": "topology", "as_pipeline": "topology",
+    "StageTransfer": "transfer",
+    "PipelineStage": "stages", "split_stages": "stages", "stage_bounds": "stages",
+    "PipelineSchedule": "schedules", "GPipe": "schedules", "OneFOneB": "schedules",
+    "Caches": "caches", "take_caches": "caches", "put_caches": "caches",
+    "check_consumed": "caches",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # found at once next time
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
