@@ -110,7 +110,7 @@ class _Parser:
             return f"<mi>{value}</mi>"
         if text in "}^_":
             raise ValueError(f"unexpected {text!r} in {self.tex!r}")
-        return f"<mo>{escape(text)}</mo>"
+        return f"<mo>{escape(text.replace('-', chr(0x2212)))}</mo>"  # a minus sign
 
     def command(self, name: str) -> str:
         if name == "frac":
