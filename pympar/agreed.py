@@ -502,8 +502,6 @@ OUTSIDE: dict[str, str] = {
     _PP + "as_pipeline": _NOTHING,
     _PP + "stage_bounds": _NOTHING,
     _PP + "PipelineStage.__init__": _NOTHING,
-    **{_PP + f"PipelineStage.{m}": "a container: each layer inside agrees its own calls"
-       for m in ("forward", "backward")},
     **{_PP + n: "moves a stage's own caches: communicates nothing"
        for n in ("Caches.__init__", "take_caches", "put_caches", "check_consumed")},
 }

@@ -306,3 +306,30 @@ def test_a_stage_whose_program_ends_ends_the_other_at_once(tmp_path):
     found = [line for line in output.splitlines() if line.startswith("stage 0 after")]
     assert found and "PeerEndedError" in found[0] and "ended its program" in found[0], output
     assert float(found[0].split()[3]) < 30, output
+
+
+@needs_two
+@pytest.mark.parametrize("xp_name", XPS[1:])
+def test_a_schedule_on_device_arrays_equals_the_host_one(pp, xp_name, watchdog):
+    """A 1F1B step whose layers and activations live on the device (received where the
+    stage's parameters are) gives the NumPy step's loss and gradients."""
+    from pympar.modules import Linear, MSELoss
+    from pympar.pipeline import OneFOneB, split_stages
+
+    xp = get_xp(xp_name)
+    found = {}
+    for module in (np, xp):
+        widths = [3] + [4] * P + [2]
+        chain = [Linear(a, b, dtype=np.float64, seed=i, xp=module)
+                 for i, (a, b) in enumerate(zip(widths, widths[1:]))]
+        stage = split_stages(chain, pp)
+        run = OneFOneB(stage, pp, 3, MSELoss() if pp.rank == P - 1 else None)
+        rng = np.random.default_rng(7)
+        x, t = rng.standard_normal((7, 3)), rng.standard_normal((7, 2))
+        loss = run.run(*(a if module is np else module.asarray(a) for a in (x, t)))
+        found[module] = (loss, [to_numpy(p.grad) for p in stage.parameters()])
+        run.transfer.free()
+    (loss, grads), (device_loss, device_grads) = found[np], found[xp]
+    agree((loss is None or np.isclose(loss, device_loss, rtol=1e-12))
+          and all(np.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, device_grads)),
+          f"stage {pp.rank}: loss {device_loss} != {loss}, or gradients differ", pp.comm)

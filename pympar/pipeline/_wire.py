@@ -132,4 +132,4 @@ def raw(a: Any) -> Any:
 
 def describe(shape: tuple[int, ...], dtype: Any) -> str:
     """An array's shape and dtype in words."""
-    return f"{tuple(shape)} {np.dtype(dtype).name if not backend.is_bfloat16(dtype) else 'bfloat16'}"
+    return f"{tuple(shape)} {'bfloat16' if backend.is_bfloat16(dtype) else np.dtype(dtype).name}"

@@ -14,8 +14,6 @@ run; :func:`check_consumed` says so at once.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import debug
 from ..modules import core
 from ..modules.core import Module

@@ -188,9 +188,10 @@ class PipelineSchedule:
                                  f"micro-batches, expected {m}")
             return list(batch)
         if not hasattr(batch, "shape") or not -batch.ndim <= axis < batch.ndim:
-            raise ValueError(f"{self.transfer.label}.run: the {'first' if what == 'inputs' else 'last'} "
-                             f"stage needs its {what} as an array with axis {axis}, or a list "
-                             f"of {m} micro-batches; got {type(batch).__name__}")
+            end = "first" if what == "inputs" else "last"
+            raise ValueError(f"{self.transfer.label}.run: the {end} stage needs its {what} as "
+                             f"an array with axis {axis}, or a list of {m} micro-batches; got "
+                             f"{type(batch).__name__}")
         n = batch.shape[axis]
         if n < m:
             raise ValueError(f"{self.transfer.label}.run: {what} of {n} along axis {axis} "

@@ -12,9 +12,9 @@ names whatever the cut, and a checkpoint saved under one cut loads under any oth
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
-from ..modules.core import Module
+from ..modules.core import Module, Sequential
 from ..partition import balanced_sizes
 from ..settings import check_same
 from .topology import PipelineGroup, as_pipeline
@@ -64,11 +64,11 @@ def stage_bounds(layers: int, stages: int, balance: Sequence[int] | None = None)
     return [range(a, a + n) for a, n in zip(starts, counts)]
 
 
-class PipelineStage(Module):
+class PipelineStage(Sequential):
     """One pipeline stage: consecutive layers of a chain, named by their index in it.
 
-    Forward runs the layers in order, backward in reverse (as ``Sequential``); the layers are
-    registered as ``"<index in the chain>"``, so parameter names are the serial model's.
+    A ``Sequential`` (forward runs the layers in order, backward in reverse) whose layers
+    are registered as ``"<index in the chain>"``, so parameter names are the serial model's.
 
     Parameters
     ----------
@@ -92,7 +92,7 @@ class PipelineStage(Module):
     holds_part_of_model = True
 
     def __init__(self, layers: dict[int, Module], stage: int, stages: int) -> None:
-        super().__init__()
+        Module.__init__(self)  # not Sequential's: it would name the layers 0, 1, ...
         indices = sorted(layers)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
             raise ValueError(f"PipelineStage: the layers' indices must be consecutive, got "
@@ -105,39 +105,10 @@ class PipelineStage(Module):
         self.stage, self.stages = int(stage), int(stages)
         self.layer_range = range(indices[0], indices[-1] + 1)
 
-    @property  # type: ignore[override]
-    def input_grad(self) -> bool:
-        """bool: Whether the first layer computes the input gradient (set there)."""
-        return bool(next(iter(self._modules.values())).input_grad)
-
-    @input_grad.setter
-    def input_grad(self, value: bool) -> None:
-        first = next(iter(self._modules.values()), None)
-        if first is not None:
-            first.input_grad = bool(value)
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self) -> Iterator[Module]:
-        return iter(self._modules.values())
-
     def extra_repr(self) -> str:
         """The stage and its layers' indices."""
         r = self.layer_range
         return f"stage {self.stage} of {self.stages}, layers {r.start}-{r.stop - 1}"
-
-    def forward(self, x: Any) -> Any:
-        """Apply this stage's layers in order."""
-        for layer in self._modules.values():
-            x = layer.forward(x)
-        return x
-
-    def backward(self, dy: Any) -> Any:
-        """Back-propagate through this stage's layers in reverse order."""
-        for layer in reversed(self._modules.values()):
-            dy = layer.backward(dy)
-        return dy
 
 
 def split_stages(layers: Sequence[LayerOrFactory] | Module, pipeline: PipelineGroup | Any,

@@ -258,13 +258,21 @@ class StageTransfer:
             self._tell(_wire.MISMATCH, f"{what} on {self._me()}, refused by this rank: {error}")
         raise error
 
-    def _send(self, x: Any, micro_batch: int, direction: str, peer: int | None) -> None:
+    def _start(self, micro_batch: int, direction: str, peer: int | None,
+               sending: bool) -> tuple[int, str, str]:
+        """A call's signature and words, and the call with its micro-batch; refused at the
+        end of the pipeline where there is no ``peer``."""
         self._check()
         sig, shown = self._call(direction)
         what = f"{shown} of micro-batch {micro_batch}"
         if peer is None:
-            end = "last" if direction == "forward" else "first"
-            self._refuse(ValueError(f"{what}: the {end} stage has no stage to send to"), what)
+            end = "last" if (direction == "forward") == sending else "first"
+            lack = "no stage to send to" if sending else "nothing to receive"
+            self._refuse(ValueError(f"{what}: the {end} stage has {lack}"), what)
+        return sig, shown, what
+
+    def _send(self, x: Any, micro_batch: int, direction: str, peer: int | None) -> None:
+        sig, shown, what = self._start(micro_batch, direction, peer, sending=True)
         if not (isinstance(x, np.ndarray) or backend.is_cupy_array(x)):
             self._refuse(TypeError(f"{what}: expected a numpy.ndarray or cupy.ndarray, not "
                                    f"{type(x).__name__}"), what)
@@ -290,12 +298,7 @@ class StageTransfer:
                       time.perf_counter() - start)
 
     def _recv(self, micro_batch: int, direction: str, peer: int | None, xp: Any) -> Any:
-        self._check()
-        sig, shown = self._call(direction)
-        what = f"{shown} of micro-batch {micro_batch}"
-        if peer is None:
-            end = "first" if direction == "forward" else "last"
-            self._refuse(ValueError(f"{what}: the {end} stage has nothing to receive"), what)
+        sig, shown, what = self._start(micro_batch, direction, peer, sending=False)
         start = time.perf_counter()
         header_tag, data_tag = _wire.TAGS[direction]
         words = _wire.empty_header()
