@@ -12,6 +12,7 @@ only that program: no indexing, no new arrays.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -29,6 +30,9 @@ UP, DOWN = 41, 42  # message tags: faces travelling to the upper and the lower n
 FACES = ("auto", "subarray", "packed")
 Index = tuple  # a tuple of slices into a padded array
 
+#: Programs a plan keeps, one per padded array (arrays used in turn, as in double
+#: buffering, each keep theirs); the oldest goes first.
+_PROGRAMS = 4
 #: A local wrap's region that NumPy would copy through a temporary (its cells interleave
 #: with those of the opposite face) is cut into at most this many one-dimensional copies.
 _MAX_PIECES = 16
@@ -89,11 +93,44 @@ class Axis:
         self.lo, self.hi = lo, hi
 
 
-def _free_requests(requests: list[list[MPI.Prequest]]) -> None:
-    for axis in requests:
-        for req in axis:
-            req.Free()
-    requests.clear()
+class _Program:
+    """One padded array's exchange (see :meth:`Plan.program`): ``ops``, ``spans``,
+    ``persistent``, and ``watch``, a weak reference to the array, whose death releases it."""
+
+    __slots__ = ("ops", "spans", "persistent", "watch")
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[Any, Any]] = []
+        self.spans: list[tuple[Axis, int, int]] = []
+        self.persistent: list[list[MPI.Prequest]] = []
+        self.watch: Any = None
+
+
+def _release(program: _Program) -> None:
+    """Free a program's requests (not after MPI has finalized: they went with it)."""
+    if not MPI.Is_finalized():
+        for requests in program.persistent:
+            for req in requests:
+                req.Free()
+    program.persistent.clear()
+    program.ops.clear()
+    program.spans.clear()
+
+
+def _release_all(programs: dict[int, _Program]) -> None:
+    kept = list(programs.values())
+    programs.clear()
+    for program in kept:
+        _release(program)
+
+
+def _forget(programs: dict[int, _Program], key: int, watch: Any) -> None:
+    """The array of ``programs[key]`` went (``watch``'s callback): release its program
+    before its memory can be reused."""
+    program = programs.get(key)
+    if program is not None and program.watch is watch:
+        del programs[key]
+        _release(program)
 
 
 def _sizes(region: Index, shape: tuple[int, ...]) -> list[int]:
@@ -114,18 +151,13 @@ def count(region: Index, shape: tuple[int, ...]) -> int:
     return int(np.prod(_sizes(region, shape)))
 
 
-def _runs(array: np.ndarray, region: Index, like: np.ndarray | None = None) -> np.ndarray:
-    """``region`` of the C-contiguous ``array`` as an array of its contiguous runs, each one
-    element of a void dtype, over the fewest axes (unit axes dropped, adjacent ones merged);
-    or, with ``like`` (a contiguous buffer of the region's cells), ``like`` cut the same way.
-
-    NumPy copies such an array run by run, and copies a one-dimensional one with no check
-    for overlap (an n-dimensional copy between interleaved regions of one array goes
-    through a temporary)."""
-    itemsize = array.dtype.itemsize
-    strides = [itemsize * math.prod(array.shape[b + 1:]) for b in range(array.ndim)]
+def _layout(region: Index, shape: tuple[int, ...],
+            itemsize: int) -> tuple[int, list[tuple[int, int]]]:
+    """Where ``region`` of a C-contiguous array of ``shape`` starts (bytes), and its axes as
+    ``(extent, stride)``, unit axes dropped and adjacent ones merged."""
+    strides = [itemsize * math.prod(shape[b + 1:]) for b in range(len(shape))]
     offset, dims = 0, []
-    for s, n, stride in zip(region, array.shape, strides):
+    for s, n, stride in zip(region, shape, strides):
         start, stop, _ = s.indices(n)
         offset += start * stride
         if stop - start != 1:
@@ -133,14 +165,28 @@ def _runs(array: np.ndarray, region: Index, like: np.ndarray | None = None) -> n
                 dims[-1] = (dims[-1][0] * (stop - start), stride)
             else:
                 dims.append((stop - start, stride))
+    return offset, dims
+
+
+def _runs(memory: np.ndarray, shape: tuple[int, ...], itemsize: int, region: Index,
+          like: np.ndarray | None = None) -> np.ndarray:
+    """``region`` of a C-contiguous array of ``shape`` whose bytes are ``memory`` (uint8) as
+    an array of its contiguous runs, each one element of a void dtype, over the fewest axes
+    (unit axes dropped, adjacent ones merged); or, with ``like`` (a contiguous buffer of the
+    region's cells), ``like`` cut the same way.
+
+    NumPy copies such an array run by run, and copies a one-dimensional one with no check
+    for overlap (an n-dimensional copy between interleaved regions of one array goes
+    through a temporary)."""
+    offset, dims = _layout(region, shape, itemsize)
     run = itemsize
     if dims and dims[-1][1] == itemsize:
         run = dims.pop()[0] * itemsize
-    shape = tuple(n for n, _ in dims)
     kind = np.dtype((np.void, run))
     if like is not None:
-        return np.ndarray(shape, kind, buffer=like.reshape(-1).view(np.uint8))
-    return np.ndarray(shape, kind, buffer=array.reshape(-1).view(np.uint8), offset=offset,
+        return np.ndarray(tuple(n for n, _ in dims), kind,
+                          buffer=like.reshape(-1).view(np.uint8))
+    return np.ndarray(tuple(n for n, _ in dims), kind, buffer=memory, offset=offset,
                       strides=tuple(s for _, s in dims))
 
 
@@ -190,16 +236,18 @@ class Plan:
         self.types: dict[tuple[int, str], MPI.Datatype] = {}
         self.buffers: dict[Any, Any] = {}
         self.signatures: dict[str | None, int] = {}  # the agreement key's, per label
-        # The exchange's program on the array requests_on (see program()): a flat list of
-        # (requests, None), started and waited for, and (dst, src), copied; spans: per axis
-        # (axis, start, stop) in it; persistent: the request lists, one per axis with a comm.
+        # The programs (see program()), by padded array (its id: an array that goes takes
+        # its program with it), and the current one's lists: ops, a flat list of
+        # (requests, None), started and waited for, and (dst, src), copied; spans, per axis
+        # (axis, start, stop) in ops; persistent, the request lists, one per axis with a
+        # comm. requests_on: the array of the current program.
+        self.programs: dict[int, _Program] = {}
         self.ops: list[tuple[Any, Any]] = []
         self.spans: list[tuple[Axis, int, int]] = []
         self.persistent: list[list[MPI.Prequest]] = []
-        self._requests_at: int | None = None
         self.requests_on: Any = None
-        # Requests left when the plan goes (or at exit, before MPI finalizes) are freed then.
-        weakref.finalize(self, _free_requests, self.persistent)
+        # Programs left when the plan goes (or at exit, before MPI finalizes) are freed then.
+        weakref.finalize(self, _release_all, self.programs)
         self.xp = backend.array_module(x)
         self.lead_shape = shape[:lead]
         for ax in self.axes:  # bytes sent and received along the axis, for statistics
@@ -213,32 +261,49 @@ class Plan:
 
     def program(self, padded: np.ndarray) -> list[tuple[Any, Any]]:
         """The exchange of ``padded`` as a flat list of operations (see ``ops``), made once
-        per array address: a reused padded array starts its requests again without
-        building any message (2-3 us less per axis than two ``Sendrecv``, on MPICH)."""
-        if padded is self.requests_on:  # the same array object: the same memory
+        per array and kept while the array lives (up to ``_PROGRAMS`` arrays, the oldest
+        going first): a reused padded array starts its requests again without building any
+        message (2-3 us less per axis than two ``Sendrecv``, on MPICH), and arrays used in
+        turn keep theirs. The program holds the array's memory by address, not the array."""
+        if padded is self.requests_on:  # the current program's array
             return self.ops
-        at = padded.ctypes.data  # ~2 us: only for an array not seen last
-        if self._requests_at != at:
-            self.free_requests()
-            self._build(padded)
-            self._requests_at = at
+        program = self.programs.get(id(padded))
+        if program is None or program.watch() is not padded:
+            if len(self.programs) >= _PROGRAMS:
+                _release(self.programs.pop(next(iter(self.programs))))
+            program = self._build(padded)
+            key = id(padded)
+            program.watch = weakref.ref(padded, functools.partial(_forget, self.programs,
+                                                                  key))
+            self.programs[key] = program
+        self.ops, self.spans, self.persistent = program.ops, program.spans, program.persistent
         self.requests_on = padded
         return self.ops
 
-    def _build(self, padded: np.ndarray) -> None:
+    def _build(self, padded: np.ndarray) -> _Program:
+        """The program of ``padded``, on views of its memory from its address (so that only
+        the caller's references keep it)."""
+        program = _Program()
+        memory = (np.frombuffer(MPI.buffer.fromaddress(padded.ctypes.data, padded.nbytes),
+                                np.uint8) if padded.nbytes else np.zeros(0, np.uint8))
         for ax in self.axes:
-            start = len(self.ops)
+            start = len(program.ops)
             if ax.comm is None:  # alone on a periodic axis: my own opposite faces
                 for recv, send in (("recv_lo", "send_up"), ("recv_hi", "send_down")):
                     region = getattr(ax, recv)
                     if count(region, self.shape):
-                        self.ops += _pieces(_runs(padded, region),
-                                            _runs(padded, getattr(ax, send)))
+                        program.ops += _pieces(self._runs(memory, region),
+                                               self._runs(memory, getattr(ax, send)))
             else:
-                self._build_messages(ax, padded)
-            self.spans.append((ax, start, len(self.ops)))
+                self._build_messages(ax, memory, program)
+            program.spans.append((ax, start, len(program.ops)))
+        return program
 
-    def _build_messages(self, ax: Axis, padded: np.ndarray) -> None:
+    def _runs(self, memory: np.ndarray, region: Index,
+              like: np.ndarray | None = None) -> np.ndarray:
+        return _runs(memory, self.shape, self.dtype.itemsize, region, like)
+
+    def _build_messages(self, ax: Axis, memory: np.ndarray, program: _Program) -> None:
         """An axis's four persistent requests (both receives, then both sends; none with
         ``MPI.PROC_NULL``), after the packing copies of its send faces and before the
         unpacking copies of its receive faces."""
@@ -247,38 +312,41 @@ class Plan:
                                               ("send_down", ax.lower, DOWN, "recv_hi",
                                                ax.upper)):
             if source != MPI.PROC_NULL:
-                message, copy = self._face(ax, recv, padded)
+                message, copy = self._face(ax, recv, memory)
                 receives.append(ax.comm.Recv_init(message, source, tag))
                 if copy is not None:
                     unpacking.append(copy)
             if dest != MPI.PROC_NULL:
-                message, copy = self._face(ax, send, padded)
+                message, copy = self._face(ax, send, memory)
                 sends.append(ax.comm.Send_init(message, dest, tag))
                 if copy is not None:
                     packing.append(copy[::-1])
         requests = receives + sends
-        self.persistent.append(requests)
-        self.ops += packing + [(requests, None)] + unpacking
+        program.persistent.append(requests)
+        program.ops += packing + [(requests, None)] + unpacking
 
-    def _face(self, ax: Axis, name: str, padded: np.ndarray) -> tuple[Any, Any]:
+    def _face(self, ax: Axis, name: str, memory: np.ndarray) -> tuple[Any, Any]:
         """Region ``name`` of ``ax`` as its request takes it, and the copy ``(region,
-        buffer)`` that packs or unpacks it (None in place): a contiguous run as a view of
-        ``padded``, else packed into a reused buffer or as the region's subarray datatype."""
+        buffer)`` that packs or unpacks it (None in place): a contiguous run as its bytes
+        in ``memory`` (the padded array's), else packed into a reused buffer or as the
+        region's subarray datatype."""
         region = getattr(ax, name)
         if _contiguous(region, self.shape):
-            return [padded[region], self.mpi_type], None
+            at = _layout(region, self.shape, self.dtype.itemsize)[0]
+            return [memory[at:at + count(region, self.shape) * self.dtype.itemsize],
+                    self.mpi_type], None
         if not self.packed and count(region, self.shape):
-            return [padded, 1, self.datatype(ax, name)], None
+            return [memory, 1, self.datatype(ax, name)], None
         buffer = self.buffer(ax, name)
-        copy = (_runs(padded, region), _runs(padded, region, buffer)) if buffer.size else None
+        copy = ((self._runs(memory, region), self._runs(memory, region, buffer))
+                if buffer.size else None)
         return [buffer, self.mpi_type], copy
 
     def free_requests(self) -> None:
-        """Free the persistent requests and the program (they hold the last array)."""
-        _free_requests(self.persistent)
-        self.ops.clear()
-        self.spans.clear()
-        self._requests_at = self.requests_on = None
+        """Free every program's persistent requests."""
+        _release_all(self.programs)
+        self.ops, self.spans, self.persistent = [], [], []
+        self.requests_on = None
 
     def datatype(self, ax: Axis, name: str) -> MPI.Datatype:
         """The committed subarray datatype of region ``name`` of ``ax`` (cached)."""

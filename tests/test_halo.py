@@ -211,6 +211,47 @@ def test_persistent_requests_follow_the_array(mesh, layout):
     halo.free()
 
 
+def test_arrays_used_in_turn_keep_their_programs(mesh):
+    """Double buffering: two padded arrays exchanged in turn each keep their program, made
+    once; an array that goes releases its own (the program holds its memory by address
+    only), a new array gets a new one, and more arrays than a plan keeps take turns; every
+    exchange fills the ghosts of the array it was given."""
+    import gc
+
+    from pympar import _halo_plan
+
+    d = Decomposition((16, 24), split(mesh, "grid"), True)
+    halo = HaloExchange(d, 1)
+    fields = [field((16, 24), seed=s) for s in range(6)]
+    expected = [my_padded_block(padded_reference(f, halo.widths, d.periodic), d, halo.widths)
+                for f in fields]
+
+    def exchanged(pad, k):
+        pad[...] = 0
+        halo.inner(pad)[...] = d.take(fields[k])
+        assert_equal(halo.exchange(pad), expected[k], f"exchange of field {k}")
+        return halo._last[3]
+
+    pads = [halo.empty(), halo.empty()]
+    made = []
+    for step in range(4):
+        plan = exchanged(pads[step % 2], step % 2)
+        made.append(plan.programs[id(pads[step % 2])])
+    agree(made[0] is made[2] and made[1] is made[3] and len(plan.programs) == 2,
+          f"programs {made}")
+    gone = made[0]
+    del pads[0], made  # its program goes with it (the halo's last call was the other's)
+    gc.collect()
+    agree(len(plan.programs) == 1 and not gone.ops and not gone.persistent,
+          f"{len(plan.programs)} programs after an array went")
+    pads += [halo.empty() for _ in range(_halo_plan._PROGRAMS + 1)]
+    for turn in range(2):
+        for k, pad in enumerate(pads):
+            exchanged(pad, k)
+    agree(len(plan.programs) == _halo_plan._PROGRAMS, f"{len(plan.programs)} programs")
+    halo.free()
+
+
 def test_unsplit_periodic_axis_wraps_locally(mesh):
     """Along an axis nobody shares, a periodic halo is the block's own opposite face."""
     d = Decomposition((6, 8), {0: mesh["xy"]}, (False, True))
