@@ -10,18 +10,27 @@ import weakref
 import numpy as np
 import pytest
 
-from mpi_helpers import WORLD, agree, raises_everywhere
-from pipeline_helpers import LAYOUTS, P, check_training, layers, layouts, stage_loss
+from mpi_helpers import agree, raises_everywhere
+from pipeline_helpers import LAYOUTS, P, Layout, check_training, layers, stage_loss
 from pympar import debug
 from pympar.amp import GradScaler
 from pympar.errors import CollectiveMismatchError, PeerEndedError
-from pympar.modules import Linear, Module, MSELoss, Recompute
+from pympar.modules import Linear, Module, Recompute
 from pympar.optim import AdamW
 from pympar.pipeline import GPipe, OneFOneB, PipelineGroup, split_stages, stage_bounds
 from pympar.zero import ZeroRedundancyOptimizer
 
 SCHEDULES = [pytest.param(GPipe, id="gpipe"), pytest.param(OneFOneB, id="1f1b")]
 needs = pytest.mark.skipif(not LAYOUTS, reason=f"no pipeline layout of {P} ranks")
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """Every layout that fits the world, made once (collective) and freed at the end."""
+    made = {name: Layout(name) for name in LAYOUTS}
+    yield made
+    for layout in made.values():
+        layout.free()
 
 
 def counts(layout: Layout) -> list[int]:
@@ -226,8 +235,7 @@ def test_a_stage_that_raises_mid_run_ends_every_stage(layouts):
     chain = [Failing()] + layers(layout.tp, layout.tensor_parallel)
     stage = split_stages(chain, layout.pp, balance=[len(chain) - layout.pp.size + 1]
                          + [1] * (layout.pp.size - 1))
-    debug.set_timeout(30)
-    try:
+    with debug.debug_mode(debug.is_enabled(), timeout=30):
         run = OneFOneB(stage, layout.pp, 3, stage_loss(layout.pp))
         x = np.ones((6, 5))
         first = layout.pp.rank == 0
@@ -237,8 +245,6 @@ def test_a_stage_that_raises_mid_run_ends_every_stage(layouts):
         again = raises_everywhere(type(caught), "micro-batch 1 refused", run.run, x,
                                   np.ones((6, 3)), comm=layout.pp.comm)
         agree(again is caught, "the failed schedule raises its error again")
-    finally:
-        debug.set_timeout(None)
 
 
 @needs

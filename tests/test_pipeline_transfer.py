@@ -36,9 +36,9 @@ def pp():
 
 @pytest.fixture
 def watchdog():
-    debug.set_timeout(TIMEOUT)
-    yield
-    debug.set_timeout(None)
+    """The watchdog at TIMEOUT for the test (then as it was)."""
+    with debug.debug_mode(debug.is_enabled(), timeout=TIMEOUT):
+        yield
 
 
 def activation(stage: int, k: int, dtype, xp):
@@ -216,25 +216,21 @@ def test_a_refused_argument_raises_everywhere(pp, watchdog):
 def test_a_neighbour_that_never_comes_times_out(pp):
     """Stage 1 is busy past the watchdog's timeout: stage 0 raises CollectiveTimeoutError
     naming it, and stage 1, when it comes, PeerEndedError (told by stage 0)."""
-    debug.set_timeout(0.5)
     transfer = StageTransfer(pp)
     pipe = transfer.pipeline
     caught = None
-    try:
-        if pipe.rank == 1:
-            time.sleep(1.5)
-        if pipe.rank in (0, 1):
+    with debug.debug_mode(debug.is_enabled(), timeout=0.5):
+        try:
+            if pipe.rank == 1:
+                time.sleep(2.5)
             if pipe.rank == 0:
                 transfer.recv_backward(0)
             else:
-                transfer.send_backward(np.ones(2), 0)
+                if pipe.rank == 1:
+                    transfer.send_backward(np.ones(2), 0)
                 transfer.finish()
-        else:
-            transfer.finish()
-    except CollectiveTimeoutError as error:
-        caught = error
-    finally:
-        debug.set_timeout(None)
+        except CollectiveTimeoutError as error:
+            caught = error
     # Stage 0 times out waiting for stage 1 and tells it; the stages after 1 time out
     # waiting for it too, or learn it from a neighbour.
     kind, pattern = {0: (CollectiveTimeoutError, r"did not complete within 0.5 s .*: rank 1 "),
