@@ -88,7 +88,9 @@ def test_every_python_block_and_launch_line_is_accounted_for():
     unchecked = [b.name for b in python + launches
                  if b.kind not in ("program", "doctest", "commands", "openmpi", "fragment",
                                    "remote") and not b.include.startswith("../../examples/")]
-    assert not unchecked, (unchecked, kinds)
+    assert not unchecked, (
+        f"{unchecked}: make each run as written here, or caption it on its page "
+        f"(':caption: Fragment of :ref:`...`', or one starting {docs_blocks.REMOTE})")
     assert sum(k == "program" for k in kinds.values()) >= 20, kinds
 
 
@@ -154,3 +156,26 @@ def test_a_fragment_that_drifted_from_its_program_is_caught(tmp_path):
     assert problems == [f"{blocks[1].name}: 'total = sum(range(11))' is not a line of "
                         f"{blocks[0].name}"], problems
     assert blocks[0].stated_command() == ("whole.py", "mpiexec -n 2 python whole.py")
+
+
+def _modules_with_examples() -> list[str]:
+    names = []
+    for path in sorted((ROOT / "pympar").rglob("*.py")):
+        if ">>> " in path.read_text(encoding="utf-8"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+@SINGLE
+@pytest.mark.parametrize("module", _modules_with_examples())
+def test_docstring_examples_of_the_api_pages_run(module):
+    """The API pages show the docstrings' examples: they run (one rank) as shown."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS,
+                             verbose=False, report=True)
+    if not result.attempted:
+        pytest.skip(f"{module}: every example is marked '# doctest: +SKIP' (a sketch)")
+    assert not result.failed, result

@@ -180,15 +180,20 @@ def test_the_build_flags_remote_loads_and_wide_code(tmp_path):
     (tmp_path / "bad.html").write_text(
         '<script src="https://cdn.example/mathjax/tex-chtml.js"></script>'
         '<link rel="stylesheet" href="//fonts.example/f.css">'
-        f'<a href="https://example.org">a link to follow</a><pre>{wide}</pre>')
+        f'<a href="https://example.org">a link to follow</a><pre>{wide}</pre>'
+        '<dt class="sig sig-object py"><span>empty</span>(<em>xp=&lt;module &#39;numpy&#39; '
+        'from &#39;/home/me/numpy/__init__.py&#39;&gt;</em>)</dt>')
     (tmp_path / "_modules").mkdir()
     (tmp_path / "_modules" / "source.html").write_text(f"<pre>{wide}</pre>")
-    (tmp_path / "good.html").write_text('<script src="_static/doctools.js"></script>'
-                                        f'<pre>{"z" * checks.CODE_COLUMNS}</pre>')
+    (tmp_path / "good.html").write_text(
+        '<script src="_static/doctools.js"></script>'
+        f'<pre>{"z" * checks.CODE_COLUMNS}</pre><dt class="sig sig-object py">'
+        '<span>empty</span>(<em>xp=np</em>)</dt>')
     problems = checks.check_pages(tmp_path)
-    assert len(problems) == 3 and all(p.startswith("bad.html: ") for p in problems), problems
+    assert len(problems) == 4 and all(p.startswith("bad.html: ") for p in problems), problems
     assert "https://cdn.example/mathjax/tex-chtml.js" in problems[0]
-    assert "//fonts.example/f.css" in problems[1] and "wider than the column" in problems[2]
+    assert "//fonts.example/f.css" in problems[1] and "repr: empty(xp=<module" in problems[2]
+    assert "wider than the column" in problems[3]
 
 
 def test_the_docs_build_uses_the_offline_maths_and_the_checks(conf):

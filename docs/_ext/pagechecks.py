@@ -1,6 +1,6 @@
 """Checks of the built pages, run at the end of every HTML build (a warning each, so an
-error under ``-W``): nothing is loaded from another host, and no code line is wider than the
-column.
+error under ``-W``): nothing is loaded from another host, no code line is wider than the
+column, and no signature shows a default's repr (a path of the machine that built them).
 
 A page that loads a script or a style sheet from the network shows raw TeX, or nothing, on
 a cluster's node that cannot reach it. A code line wider than the column scrolls, and the
@@ -13,7 +13,8 @@ import re
 from html import unescape
 from pathlib import Path
 
-__all__ = ["CODE_COLUMNS", "external_assets", "wide_code_lines", "check_pages", "setup"]
+__all__ = ["CODE_COLUMNS", "external_assets", "wide_code_lines", "reprs_in_signatures",
+           "check_pages", "setup"]
 
 #: The widest code line the column shows whole: the theme's page is 1160 px wide
 #: (conf.py), which leaves 856 px of code text; 88 characters of the 0.9 em monospace
@@ -25,6 +26,10 @@ _ADDRESS = re.compile(r"""\b(src|href)\s*=\s*["']?([^"'\s>]+)""", re.I)
 _LOADED_LINK = re.compile(r"""\brel\s*=\s*["']?[^"'>]*\b(stylesheet|preload|icon)""", re.I)
 _PRE = re.compile(r"<pre\b[^>]*>(.*?)</pre>", re.S | re.I)
 _TAG = re.compile(r"<[^>]+>")
+_SIGNATURE = re.compile(r"<dt class=\"sig[^\"]*\"[^>]*>(.*?)</dt>", re.S)
+# A default shown as its repr: a module with its path on the machine that built the pages,
+# a class, or an object's address.
+_REPR = re.compile(r"<(module|class|function) '|object at 0x")
 # The pages of the package's own source (viewcode) are listings of whole files, not the
 # column of a page.
 _NOT_CHECKED_FOR_WIDTH = ("_modules/",)
@@ -54,6 +59,13 @@ def wide_code_lines(html: str, columns: int = CODE_COLUMNS) -> list[str]:
     return lines
 
 
+def reprs_in_signatures(html: str) -> list[str]:
+    """The API signatures of a page that show a default as its repr (``<module 'numpy'
+    from '/home/...'>``) instead of as written."""
+    shown = [" ".join(unescape(_TAG.sub("", sig)).split()) for sig in _SIGNATURE.findall(html)]
+    return [sig for sig in shown if _REPR.search(sig)]
+
+
 def check_pages(outdir: Path, columns: int = CODE_COLUMNS) -> list[str]:
     """Every problem of every HTML page under ``outdir``, one line each."""
     problems = []
@@ -62,6 +74,8 @@ def check_pages(outdir: Path, columns: int = CODE_COLUMNS) -> list[str]:
         html = page.read_text(encoding="utf-8")
         problems += [f"{name}: loads {asset} from another host (the pages must work "
                      f"offline)" for asset in external_assets(html)]
+        problems += [f"{name}: a signature shows a default's repr: {sig[:80]}"
+                     for sig in reprs_in_signatures(html)]
         if not name.startswith(_NOT_CHECKED_FOR_WIDTH):
             problems += [f"{name}: a code line of {len(line)} characters is wider than the "
                          f"column ({columns}): {line[:60]}..." for line in wide_code_lines(
