@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pytest
 
 from layer_helpers import self_group
 from mpi_helpers import WORLD, agree
@@ -167,15 +166,6 @@ def check_training(layout: Layout, stage: Any, schedule: Any, optimizer: Any,
         if problems:
             break
     agree(not problems, "; ".join(problems[:6]))
-
-
-@pytest.fixture(scope="module")
-def layouts():
-    """Every layout that fits the world, made once (collective) and freed at the end."""
-    made = {name: Layout(name) for name in LAYOUTS}
-    yield made
-    for layout in made.values():
-        layout.free()
 
 
 def stage_loss(pipeline: Any) -> Any:
