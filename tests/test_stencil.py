@@ -194,6 +194,35 @@ def test_conv_gradients_match_finite_differences_of_the_distributed_layer(mesh):
     assert_close(dx, d.take(numeric_x), rtol=1e-6, atol=1e-7, what="dx")
 
 
+def test_two_forwards_in_flight_keep_their_own_padded_input(mesh):
+    """A pipeline runs forwards of two micro-batches before their backwards, taking each
+    forward's caches out of the layer (pympar.pipeline.caches): the second forward must not
+    overwrite the padded input the first one cached."""
+    from pympar.pipeline.caches import put_caches, take_caches
+
+    shape, periodic = (8, 6), (True, False)
+    d = Decomposition(shape, layout(mesh, "grid"), periodic)
+    layer = HaloConv(HaloExchange(d, 1), 2, 3, 3, dtype=np.float64, seed=5)
+    w = layer.weight.data.copy()
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((1, 2, *shape)) for _ in range(2)]
+    dys = [rng.standard_normal((1, 3, *shape)) for _ in range(2)]
+    caches = []
+    for x in xs:
+        layer.forward(d.take(x))
+        caches.append(take_caches(layer))
+    dxs = []
+    for cache, dy in zip(reversed(caches), reversed(dys)):
+        put_caches(layer, cache)
+        dxs.append(layer.backward(d.take(dy)))
+    want_dw = 0
+    for x, dy, dx in zip(reversed(xs), reversed(dys), dxs):
+        want_dx, dw, _ = conv_grads(x, w, dy, periodic)
+        want_dw = want_dw + dw
+        assert_close(dx, d.take(want_dx), rtol=1e-10, atol=1e-10, what="dx")
+    assert_close(layer.weight.grad, want_dw, rtol=1e-10, atol=1e-10, what="dweight")
+
+
 def test_frozen_kernel_and_no_input_gradient(mesh):
     d = Decomposition((8, 8), layout(mesh, "grid"), True)
     layer = HaloConv(HaloExchange(d, 1), 2, 2, 3, dtype=np.float64, input_grad=False)

@@ -88,6 +88,18 @@ class _Padded:
             a.fill(0)
         return a
 
+    def take(self, halo: HaloExchange, lead: tuple[int, ...], like: Any) -> Any:
+        """:meth:`get` a buffer for a forward's cache: until :meth:`give` returns it, the
+        next call makes another (a pipeline holds several forwards' caches at once)."""
+        a = self.get(halo, lead, like, zero=False)
+        self.array = None
+        return a
+
+    def give(self, a: Any) -> None:
+        """Offer ``a``, taken before and no longer read, for reuse."""
+        if self.array is None:
+            self.array = a
+
 
 class Laplacian(Module):
     """The central-difference Laplacian ``sum_a (u[i-1] - 2 u[i] + u[i+1]) / h_a**2``.
@@ -262,7 +274,7 @@ class HaloConv(Module):
                  (batch, self.in_channels, *d.local_shape))
         xp, cells = array_module(x), math.prod(d.local_shape)
         with self._labels["forward"]:
-            padded = self.halo.forward(x, out=self._padded.get(self.halo, x.shape[:2], x, False))
+            padded = self.halo.forward(x, out=self._padded.take(self.halo, x.shape[:2], x))
         y = xp.zeros((batch, self.out_channels, cells), self.dtype)
         w = self.weight.data
         for index, window in self._windows():
@@ -283,7 +295,9 @@ class HaloConv(Module):
         shape = (batch, self.out_channels, *d.local_shape)
         _checked(self, self.halo, dy, "output gradient", self.dtype, shape, whole_groups=True)
         with self._labels["backward"]:
-            return self._backward(dy, padded, batch, cells)
+            dx = self._backward(dy, padded, batch, cells)
+        self._padded.give(padded)
+        return dx
 
     def _backward(self, dy: Any, padded: Any, batch: int, cells: int) -> Any:
         d = self.halo.decomposition
