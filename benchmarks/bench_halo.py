@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   case["median_us"].items())
                                       + f"; pympar / {case['anchor']} {case['ratio']:.3f}")
     nodes = common.nodes(WORLD)
-    petsc_job = halo_petsc.spawn(WORLD, args, argv if argv is not None else sys.argv[1:])
+    # PETSc's job runs beside the one-node job (it would not cross the emulated nodes).
+    petsc_job = (halo_petsc.spawn(WORLD, args, argv if argv is not None else sys.argv[1:])
+                 if nodes == 1 else None)
     if WORLD.rank == 0:
         common.write_json(args.json, {
             "benchmark": "halo", "machine": info,

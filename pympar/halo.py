@@ -18,7 +18,8 @@ adds them to its boundary cells; the gradients of the outer (zero) ghosts are dr
 
 Faces travel through persistent requests made once per plan and padded array (a reused
 array starts its requests, ``Startall`` + ``Waitall`` per axis, instead of two ``Sendrecv``
-that rebuild their messages). A NumPy face that is one contiguous run of the padded array
+that rebuild their messages; up to four arrays used in turn keep theirs, made on the
+array's memory by address and released when the array goes). A NumPy face that is one contiguous run of the padded array
 travels in place as a plain buffer; any other (a split later axis, leading axes) as an MPI
 subarray datatype of the padded array (``faces="subarray"``) or packed into a reused
 contiguous buffer (``faces="packed"``). The default, ``faces="auto"``, packs under MPICH,
