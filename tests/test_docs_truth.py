@@ -121,10 +121,10 @@ def test_every_public_module_has_an_api_page():
 
 
 @pytest.fixture(scope="module")
-def conf(tmp_path_factory):
-    import os
-    os.environ.setdefault("PYMPAR_DOCS_OFFLINE", "1")  # no reachability probe on load
-    return _load(DOCS / "conf.py", "docs_conf_truth")
+def conf():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYMPAR_DOCS_OFFLINE", "1")  # no reachability probe on load
+        return _load(DOCS / "conf.py", "docs_conf_truth")
 
 
 def test_mapping_docstrings_document_their_call_signatures(conf):
