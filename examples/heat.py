@@ -85,21 +85,21 @@ def euler_step(padded: np.ndarray, rx: float, ry: float) -> None:
 def explicit(args: argparse.Namespace, comm: MPI.Intracomm) -> tuple:
     """Forward Euler on this rank's block; returns ``(block, where it sits)``."""
     nx, ny = args.grid
-    px, py = MPI.Compute_dims(comm.Get_size(), 2)         # e.g. 3 ranks: 3 x 1
+    px, py = MPI.Compute_dims(comm.Get_size(), 2)   # e.g. 3 ranks: 3 x 1
     mesh = Mesh(comm, {"x": px, "y": py})
-    groups = {0: mesh.group("x"), 1: mesh.group("y")}     # axis 0 over x, 1 over y
-    d = Decomposition((nx, ny), groups, periodic=(False, True))  # walls along x
-    halo = HaloExchange(d, 1)                              # one ghost cell a side
-    u = halo.empty()                  # zeros; the ghosts beyond a wall stay 0
+    groups = {0: mesh.group("x"), 1: mesh.group("y")}   # axis 0 over x, axis 1 over y
+    d = Decomposition((nx, ny), groups, periodic=(False, True))   # walls along x
+    halo = HaloExchange(d, 1)                       # one ghost cell a side
+    u = halo.empty()                                # zeros: the walls' ghosts stay 0
     halo.inner(u)[...] = initial_field(*d.blocks, (nx, ny))
     rx, ry = args.nu * args.dt * nx ** 2, args.nu * args.dt * ny ** 2
     for _ in range(args.steps):
-        halo.exchange(u)              # the neighbours' edge cells into the ghosts
+        halo.exchange(u)                            # neighbours' edge cells to ghosts
         euler_step(u, rx, ry)
     block = halo.inner(u).copy()
-    halo.free()                       # its MPI datatypes, then the communicators
+    halo.free()                                     # its MPI datatypes
     for group in groups.values():
-        group.free()
+        group.free()                                # the groups' communicators
     return block, d.blocks
 
 
@@ -230,13 +230,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                        description="2-D heat equation on a decomposed grid")
     p.add_argument("--method", choices=["explicit", "spectral"], default="explicit",
                    help="forward Euler with halos, or backward Euler with FFTs")
-    p.add_argument("--grid", type=int, nargs=2, default=[101, 75], metavar=("NX", "NY"))
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--grid", type=int, nargs=2, default=[101, 75], metavar=("NX", "NY"),
+                   help="cells along x and y")
+    p.add_argument("--steps", type=int, default=100, help="time steps")
     p.add_argument("--nu", type=float, default=1.0, help="diffusivity")
-    p.add_argument("--dt", type=float, default=None, help="time step")
+    p.add_argument("--dt", type=float, default=None,
+                   help="time step (default: 0.9 of the explicit stability limit)")
     p.add_argument("--tolerance", type=float, default=1e-10,
                    help="largest difference from the serial run, relative")
-    p.add_argument("--out", type=Path, default=Path("out/heat"))
+    p.add_argument("--out", type=Path, default=Path("out/heat"),
+                   help="where heat.png goes")
     args = p.parse_args(argv)
     if min(args.grid) < 1 or args.steps < 0 or args.nu <= 0:
         p.error("--grid needs extents >= 1, --steps >= 0 and --nu > 0")
@@ -259,8 +262,9 @@ def main(argv=None) -> int:
     status = 0
     if comm.Get_rank() == 0:
         nx, ny = args.grid
-        print(f"heat.py: {args.method}, {nx} x {ny} cells on {comm.Get_size()} ranks, "
-              f"{args.steps} steps of dt {args.dt:.3g}")
+        ranks = comm.Get_size()
+        print(f"heat.py: {args.method}, {nx} x {ny} cells on {ranks} "
+              f"rank{'s' * (ranks > 1)}, {args.steps} steps of dt {args.dt:.3g}")
         ok = result["error"] <= args.tolerance
         verdict = "ok" if ok else "TOO LARGE"
         print(f"largest difference from the serial NumPy run: {result['error']:.3e} "
