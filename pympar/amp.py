@@ -22,19 +22,13 @@ from . import manager
 from .backend import array_module
 from .collectives import label
 from .debug import CollectiveMismatchError
-from .group import Group
+from .group import Group, self_group
 from .modules.core import Module
 from .modules.parameter import Parameter
 from .optim import AdamW
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["GradScaler", "master_weights_optimizer", "self_group"]
-
-
-def self_group() -> Group:
-    """A size-1 group holding only this rank (no collective call is needed to make it)."""
-    rank = MPI.COMM_WORLD.Get_rank()
-    return Group(MPI.COMM_SELF, f"self-{rank}", [rank], owns_comm=False)
 
 
 def master_weights_optimizer(params: Module | Iterable[Parameter], optimizer_class: type = AdamW,

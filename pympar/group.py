@@ -10,7 +10,7 @@ from mpi4py import MPI
 from . import collectives as _collectives
 from ._comm_state import CommState, freed_error
 
-__all__ = ["Group"]
+__all__ = ["Group", "self_group"]
 
 
 class Group:
@@ -85,3 +85,9 @@ class Group:
         if self._owns_comm and not self.freed:
             self.comm.Free()
         self.comm = MPI.COMM_NULL
+
+
+def self_group() -> Group:
+    """A size-1 group holding only this rank (no collective call is needed to make it)."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    return Group(MPI.COMM_SELF, f"self-{rank}", [rank], owns_comm=False)

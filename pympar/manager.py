@@ -1,9 +1,10 @@
-"""The current parallel state: DP, CP and TP groups cut from one ``Mesh``.
+"""The current parallel state: DP, CP, TP and PP groups cut from one ``Mesh``.
 
-``initialize_parallel`` lays the world out as ``tp x cp x dp`` (innermost first
-by default) and creates the tensor, context, data and data-context groups once,
+``initialize_parallel`` lays the world out as ``tp x cp x dp x pp`` (innermost first
+by default) and creates the tensor, context, data, data-context and pipeline groups once,
 collectively. The 16 getters of MindScience's ``distributed.manager`` read that
-state. It is the one piece of module-level state in pympar.
+state, and Megatron's pipeline getters its pipeline group. It is the one piece of
+module-level state in pympar.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Callable
 from mpi4py import MPI
 
 from . import backend, faults
-from .group import Group
+from .group import Group, self_group
 from .initializer_3d import AXES_3D, ParallelMode, cube_depth, make_3d_groups
-from .mesh import Mesh, check_sizes, parse_order
+from .mesh import Mesh, parse_order
+from ._sizes import TENSOR_PARALLEL_MODES, check_arguments, rank_counts_that_fit
 
 __all__ = [
     "ParallelState",
@@ -25,6 +27,7 @@ __all__ = [
     "get_parallel_state",
     "get_3d_group",
     "rank_counts_that_fit",
+    "TENSOR_PARALLEL_MODES",
     "resolve_group",
     "get_tensor_parallel_group",
     "get_tensor_parallel_group_name",
@@ -42,9 +45,15 @@ __all__ = [
     "get_data_context_parallel_group_name",
     "get_data_context_parallel_rank",
     "get_data_context_parallel_world_size",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_group_name",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "get_pipeline_model_parallel_prev_rank",
+    "get_pipeline_model_parallel_next_rank",
 ]
-
-TENSOR_PARALLEL_MODES = ("1d", "3d")
 
 
 @dataclass
@@ -54,10 +63,14 @@ class ParallelState:
     Attributes
     ----------
     mesh : Mesh
-        Axes ``tp``, ``cp``, ``dp`` (in 3D mode ``tp`` is split into the cube
-        axes ``tp_i``, ``tp_j``, ``tp_k``, innermost first, in its place).
+        Axes ``tp``, ``cp``, ``dp`` and, with more than one stage, ``pp`` (in 3D mode
+        ``tp`` is split into the cube axes ``tp_i``, ``tp_j``, ``tp_k``, innermost first,
+        in its place).
     tensor, context, data, data_context : Group
         This rank's TP, CP, DP and DP x CP groups.
+    pipeline : Group
+        This rank's pipeline group, its ranks in stage order (this rank alone with one
+        stage).
     tensor_parallel_mode : str
         ``"1d"`` or ``"3d"``.
     depth : int
@@ -74,79 +87,28 @@ class ParallelState:
     tensor_parallel_mode: str = "1d"
     depth: int = 0
     groups_3d: dict[ParallelMode, Group] = field(default_factory=dict)
+    pipeline: Group | None = None
 
     def all_groups(self) -> list[Group]:
         """Every group of the state, in creation order."""
         return [self.tensor, self.context, self.data, self.data_context,
-                *self.groups_3d.values()]
+                *self.groups_3d.values(), *([self.pipeline] if self.pipeline else [])]
 
 
 _state: ParallelState | None = None
 
 
-def rank_counts_that_fit(model: int, world: int) -> str:
-    """What to run instead when ``world`` ranks do not split into groups of ``model``, in
-    words: the nearest rank counts that fit, and the group sizes that fit ``world``.
-
-    Parameters
-    ----------
-    model : int
-        Ranks per model replica (tensor x context parallel sizes).
-    world : int
-        The ranks the job has.
-
-    Returns
-    -------
-    str
-        E.g. ``"run it on a multiple of 2 ranks (mpiexec -n 2 or -n 4), or use sizes whose
-        product divides 3 (1 or 3)"``.
-    """
-    below = world // model * model
-    counts = " or ".join(f"-n {n}" for n in (below, below + model) if n > 0)
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    shown = ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 \
-        else "1"
-    return (f"run it on a multiple of {model} ranks (mpiexec {counts}), or use sizes whose "
-            f"product divides {world} ({shown})")
-
-
-def _check_arguments(tensor_parallel_size: int, context_parallel_size: int, order: str,
-                     tensor_parallel_mode: str, data_parallel_size: int | None,
-                     world: int) -> dict[str, int]:
-    sizes = check_sizes({"tp": tensor_parallel_size, "cp": context_parallel_size})
-    if data_parallel_size is not None:
-        expected = sizes["tp"] * sizes["cp"] * check_sizes({"dp": data_parallel_size})["dp"]
-        if world != expected:
-            raise ValueError(f"tensor_parallel_size {sizes['tp']} x context_parallel_size "
-                             f"{sizes['cp']} x data_parallel_size {data_parallel_size} needs "
-                             f"{expected} ranks, and this job has {world}: run it on "
-                             f"{expected} ranks (mpiexec -n {expected}), or leave "
-                             "data_parallel_size out to use what the job has")
-    if tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
-        raise ValueError(f"tensor_parallel_mode must be one of {TENSOR_PARALLEL_MODES}, "
-                         f"not {tensor_parallel_mode!r}")
-    model = sizes["tp"] * sizes["cp"]
-    if world % model:
-        raise ValueError(f"world size {world} is not divisible by tensor_parallel_size "
-                         f"{sizes['tp']} x context_parallel_size {sizes['cp']} = {model}: "
-                         f"{rank_counts_that_fit(model, world)}")
-    sizes["dp"] = world // model
-    parse_order(order, sizes)
-    if tensor_parallel_mode == "3d":
-        cube_depth(sizes["tp"])
-    return sizes
-
-
 def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: int = 1,
                         order: str = "tp-cp-dp", comm: MPI.Intracomm | None = None,
                         tensor_parallel_mode: str = "1d",
-                        data_parallel_size: int | None = None) -> ParallelState:
-    """Create the DP, CP and TP groups and make them the current parallel state.
+                        data_parallel_size: int | None = None,
+                        pipeline_parallel_size: int = 1) -> ParallelState:
+    """Create the DP, CP, TP and PP groups and make them the current parallel state.
 
     Collective over ``comm``: every rank must call it with the same arguments (and
     the same settings: ``PYMPAR_DEBUG``, ``PYMPAR_TIMEOUT``).
     The data-parallel size is ``world_size // (tensor_parallel_size *
-    context_parallel_size)``; pass ``data_parallel_size`` to have it checked, so a script
+    context_parallel_size * pipeline_parallel_size)``; pass ``data_parallel_size`` to have it checked, so a script
     written for ``tp * cp * dp`` ranks refuses another rank count instead of silently
     running another data-parallel size.
 
@@ -157,8 +119,9 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     context_parallel_size : int
         Ranks per context (sequence) parallel group.
     order : str
-        Axes ``tp``, ``cp``, ``dp`` innermost first; ``"tp-cp-dp"`` gives
-        global rank ``tp + TP*(cp + CP*dp)``.
+        Axes ``tp``, ``cp``, ``dp`` (and ``pp``) innermost first; ``"tp-cp-dp"`` gives
+        global rank ``tp + TP*(cp + CP*dp)``. An order without ``pp`` puts the pipeline
+        axis outermost, as Megatron does: ``tp + TP*(cp + CP*(dp + DP*pp))``.
     comm : mpi4py.MPI.Intracomm, optional
         The communicator to lay out; ``MPI.COMM_WORLD`` by default.
     tensor_parallel_mode : {"1d", "3d"}
@@ -167,6 +130,9 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     data_parallel_size : int, optional
         The data-parallel size the program expects; ``None`` (the default) takes what the
         world size leaves.
+    pipeline_parallel_size : int
+        Pipeline stages (:mod:`pympar.pipeline`); each stage's ranks hold their own
+        TP x CP x DP layout of its layers.
 
     Returns
     -------
@@ -194,7 +160,7 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     comm = MPI.COMM_WORLD if comm is None else comm
     faults.start(comm)  # timed; settings that must agree; a failing rank then ends the job
     arguments = (tensor_parallel_size, context_parallel_size, order, tensor_parallel_mode,
-                 data_parallel_size)
+                 data_parallel_size, pipeline_parallel_size)
     # Agree first, so a rank with different arguments cannot leave the others
     # waiting inside a Split that it never joins.
     seen = comm.allgather((repr(arguments), _state is not None))
@@ -214,12 +180,13 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
             f"ranks {others}: destroy_parallel() is collective and was called on some ranks "
             f"only; call it on every rank before initializing again"))
     try:
-        sizes = _check_arguments(*arguments, world=comm.Get_size())
+        sizes, order = check_arguments(*arguments, world=comm.Get_size())
     except ValueError as err:  # the arguments agreed above: every rank raises this alike
         raise faults.alike(err)
     if tensor_parallel_mode == "3d":
         depth = cube_depth(sizes["tp"])
-        mesh_sizes = {**{axis: depth for axis in AXES_3D}, "cp": sizes["cp"], "dp": sizes["dp"]}
+        mesh_sizes = {**{axis: depth for axis in AXES_3D},
+                      **{axis: n for axis, n in sizes.items() if axis != "tp"}}
         mesh_order = "-".join("-".join(AXES_3D) if axis == "tp" else axis
                               for axis in parse_order(order, sizes))
         mesh = Mesh(comm, mesh_sizes, mesh_order)
@@ -233,8 +200,9 @@ def initialize_parallel(tensor_parallel_size: int = 1, context_parallel_size: in
     data = mesh.group("dp")
     data_context = mesh.group("dp", "cp")
     groups_3d = make_3d_groups(mesh) if tensor_parallel_mode == "3d" else {}
+    pipeline = mesh.group("pp") if "pp" in sizes else self_group()
     _state = ParallelState(mesh, tensor, context, data, data_context,
-                           tensor_parallel_mode, depth, groups_3d)
+                           tensor_parallel_mode, depth, groups_3d, pipeline)
     return _state
 
 
@@ -298,7 +266,7 @@ def get_3d_group(mode: ParallelMode | str) -> Group:
 
 
 _KIND = {"tensor": "tensor-parallel", "context": "context-parallel", "data": "data-parallel",
-         "data_context": "data x context parallel"}
+         "data_context": "data x context parallel", "pipeline": "pipeline-parallel"}
 
 
 def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Group:
@@ -312,7 +280,7 @@ def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Grou
         An explicit group; returned as is.
     layer : str
         Named in the error message (e.g. ``"ColumnParallelLinear"``).
-    axis : {"tensor", "context", "data", "data_context"}
+    axis : {"tensor", "context", "data", "data_context", "pipeline"}
         Which group of the current parallel state to use.
 
     Returns
@@ -381,3 +349,51 @@ def _getters(axis: str, words: str) -> tuple[Callable[[], Group], Callable[[], s
  get_data_context_parallel_rank, get_data_context_parallel_world_size) = (
     *_getters("tensor", "tensor-parallel"), *_getters("context", "context (sequence) parallel"),
     *_getters("data", "data-parallel"), *_getters("data_context", "data x context parallel"))
+
+
+# Megatron's pipeline getters (parallel_state), on the current state's pipeline group.
+
+def get_pipeline_model_parallel_group() -> Group:
+    """Return this rank's pipeline group (its ranks in stage order)."""
+    group: Group = get_parallel_state().pipeline
+    return group
+
+
+def get_pipeline_model_parallel_group_name() -> str:
+    """Return the name of this rank's pipeline group."""
+    return get_pipeline_model_parallel_group().name
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """Return this rank's stage (its position in the pipeline group)."""
+    return get_pipeline_model_parallel_group().rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Return the number of pipeline stages."""
+    return get_pipeline_model_parallel_group().size
+
+
+def is_pipeline_first_stage() -> bool:
+    """Return whether this rank runs the first stage (the one that reads the data)."""
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    """Return whether this rank runs the last stage (the one that computes the loss)."""
+    group = get_pipeline_model_parallel_group()
+    return group.rank == group.size - 1
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Return the global rank of the previous stage, wrapping around at the first (as
+    Megatron's does; :class:`pympar.pipeline.PipelineGroup` says None there)."""
+    group = get_pipeline_model_parallel_group()
+    return int(group.ranks[(group.rank - 1) % group.size])
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Return the global rank of the next stage, wrapping around at the last (as
+    Megatron's does)."""
+    group = get_pipeline_model_parallel_group()
+    return int(group.ranks[(group.rank + 1) % group.size])

@@ -167,8 +167,8 @@ def test_resolve_group():
     agree(manager.resolve_group(None, "L") is state.tensor
           and manager.resolve_group(None, "L", "data_context") is state.data_context
           and manager.resolve_group(state.data, "L") is state.data, "resolved groups")
-    raises_everywhere(ValueError, "unknown group axis 'pipeline'", manager.resolve_group,
-                      None, "L", "pipeline")
+    raises_everywhere(ValueError, "unknown group axis 'expert'", manager.resolve_group,
+                      None, "L", "expert")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -33,8 +33,9 @@ class PipelineGroup:
     prev_rank, next_rank : int or None
         The group ranks of the previous and next stages (None at either end).
     prev_global_rank, next_global_rank : int or None
-        The same as global ranks (the mesh's parent communicator), as Megatron's
-        ``get_pipeline_model_parallel_prev_rank`` and ``..._next_rank`` give them.
+        The same as global ranks (the mesh's parent communicator). Megatron's
+        ``get_pipeline_model_parallel_prev_rank`` and ``..._next_rank`` (and pympar's, in
+        :mod:`pympar.manager`) wrap around at the ends instead.
 
     Raises
     ------
