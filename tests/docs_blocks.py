@@ -218,8 +218,11 @@ def environment(venv: Path | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                MPLBACKEND="Agg")
-    if venv is not None and "openmpi" in venv.name:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # Where the launcher is Open MPI's: this machine's root and its few cores (the
+    # installing page's two variables, and --oversubscribe as a setting); MPICH ignores them.
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
     return env
 
 
