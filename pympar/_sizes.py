@@ -6,6 +6,7 @@ from __future__ import annotations
 from .initializer_3d import cube_depth
 from .mesh import check_sizes, parse_order
 
+#: The tensor-parallel modes (one axis, or the 3D cube).
 TENSOR_PARALLEL_MODES = ("1d", "3d")
 
 

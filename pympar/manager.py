@@ -17,7 +17,8 @@ from . import backend, faults
 from .group import Group, self_group
 from .initializer_3d import AXES_3D, ParallelMode, cube_depth, make_3d_groups
 from .mesh import Mesh, parse_order
-from ._sizes import TENSOR_PARALLEL_MODES, check_arguments, rank_counts_that_fit
+from . import _sizes
+from ._sizes import check_arguments, rank_counts_that_fit
 
 __all__ = [
     "ParallelState",
@@ -27,7 +28,6 @@ __all__ = [
     "get_parallel_state",
     "get_3d_group",
     "rank_counts_that_fit",
-    "TENSOR_PARALLEL_MODES",
     "resolve_group",
     "get_tensor_parallel_group",
     "get_tensor_parallel_group_name",
@@ -54,6 +54,9 @@ __all__ = [
     "get_pipeline_model_parallel_prev_rank",
     "get_pipeline_model_parallel_next_rank",
 ]
+
+#: The tensor-parallel modes :func:`initialize_parallel` takes.
+TENSOR_PARALLEL_MODES = _sizes.TENSOR_PARALLEL_MODES
 
 
 @dataclass
