@@ -2,7 +2,8 @@
 
 ``write_report(folder)`` reads whichever of ``mappings.json``, ``torch_comm.json``,
 ``mlp.json``, ``comm_volume_8.json``, ``comm_volume_27.json``, ``memory.json``,
-``attention.json``, ``checkpoint.json``, ``fft_{1,2,4}.json``, ``halo.json``, the jobs across two
+``attention.json``, ``checkpoint.json``, ``fft_{1,2,4}.json``, ``halo.json``, ``pipeline.json``,
+the jobs across two
 emulated nodes (``mappings_2nodes.json``, ``mappings_2nodes_4.json``, ``halo_2nodes.json``) and
 ``runs.json`` exist in
 ``folder`` (a missing one is skipped) and writes ``results.md`` plus ``mappings.png``, ``torch_comm.png``,
@@ -11,7 +12,7 @@ emulated nodes (``mappings_2nodes.json``, ``mappings_2nodes_4.json``, ``halo_2no
 from, see :mod:`benchmarks.plot_sources`). The section of the mappings job is in
 :mod:`benchmarks.report_mappings`; those of the memory, attention and checkpoint jobs are in
 :mod:`benchmarks.report_features`, that of the FFT jobs in :mod:`benchmarks.report_fft`, the halo job's in
-:mod:`benchmarks.report_halo`.
+:mod:`benchmarks.report_halo`, the pipeline job's in :mod:`benchmarks.report_pipeline`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:
 
 from benchmarks import plot_mappings, plot_sources  # noqa: E402
 from benchmarks import report_features, report_fft, report_halo, report_mappings  # noqa: E402
-from benchmarks import report_nodes  # noqa: E402
+from benchmarks import report_nodes, report_pipeline  # noqa: E402
 from benchmarks.report_format import load as _load  # noqa: E402
 from benchmarks.report_format import show_size  # noqa: E402
 from benchmarks.report_format import table as _table  # noqa: E402
@@ -342,6 +343,8 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
     halo = _load(folder, "halo.json")
     if halo:
         lines += report_halo.section_halo(halo)
+    if pipeline := _load(folder, "pipeline.json"):
+        lines += report_pipeline.section_pipeline(pipeline)
     across = [doc for name in ("mappings_2nodes", "mappings_2nodes_4")
               if (doc := _load(folder, f"{name}.json"))]
     halo_across = _load(folder, "halo_2nodes.json")

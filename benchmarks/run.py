@@ -15,6 +15,7 @@ attention.json      4      bench_attention.py: ring vs Ulysses bytes, time, memo
 checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks vs disk, DCP
 fft_1/2/4.json      1/2/4  bench_fft.py: FFT round trip vs mpi4py-fft, bytes, FNO layer
 halo.json           2      bench_halo.py: HaloExchange vs raw mpi4py Sendrecv of the same faces
+pipeline.json       4      bench_pipeline.py: GPipe and 1F1B bubble vs the ideal, memory per stage
 mappings_2nodes.json 2     bench_mappings.py across two emulated nodes (MPICH's odd-even
                            cliques: even and odd ranks on two "nodes"; skipped under Open MPI)
 mappings_2nodes_4.json 4   the same on 4 ranks sharing the 2 cores, 2 ranks a node
@@ -116,6 +117,9 @@ def plan(quick: bool) -> list[Job]:
                         "--fno", "2x32x32x8x6"], 300),
             Job("halo", "bench_halo.py", 2, "halo.json",
                 ["--shapes", "256x256,64x64x64", "--repeats", "5", "--warmup", "1"], 300),
+            Job("pipeline", "bench_pipeline.py", 4, "pipeline.json",
+                ["--micro", "p,4p", "--repeats", "3", "--layers", "2", "--sleep-ms", "15"],
+                300),
             *_across_nodes(quick),
         ]
     sizes = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
@@ -146,6 +150,8 @@ def plan(quick: bool) -> list[Job]:
         Job("halo", "bench_halo.py", 2, "halo.json",
             ["--shapes", "1024x1024,4096x4096,128x128x128,256x256x256", "--repeats", "31",
              "--warmup", "2", "--sample-seconds", "0.02"], 900),
+        # About 3 minutes on 2 quiet cores.
+        Job("pipeline", "bench_pipeline.py", 4, "pipeline.json", ["--repeats", "11"], 900),
         *_across_nodes(quick),
     ]
 
@@ -326,7 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for JSON, plots and results.md (default: ./bench-results)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
-                             "comm_volume_27, memory, attention, checkpoint, halo, and "
+                             "comm_volume_27, memory, attention, checkpoint, halo, "
+                             "pipeline, and "
                              "mappings_ab, which runs only when named); repeatable")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME",
                         help="skip this job; repeatable")
