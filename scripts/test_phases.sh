@@ -88,7 +88,7 @@ nodes_unavailable() {
   if [[ -z $launcher ]]; then
     if [[ -x "$here/.venv/bin/mpiexec" ]]; then launcher="$here/.venv/bin/mpiexec"; else launcher=mpiexec; fi
   fi
-  if "$launcher" --version 2>&1 | grep -qiE 'open ?mpi|open-rte|prrte'; then
+  if [[ $(MPIEXEC=$launcher "$here/scripts/mpirun.sh" --kind) == openmpi ]]; then
     echo "Open MPI has no cliques variable: its COMM_TYPE_SHARED always follows the real host"
     return
   fi

@@ -68,6 +68,21 @@ def test_initialize_on_some_ranks_raises_there_within_the_timeout():
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_initialize_after_destroy_on_some_ranks_raises_on_every_rank(clean_state):
+    # destroy_parallel is collective; called on rank 0 alone, the next initialize_parallel
+    # on every rank must fail alike (it hung: rank 0 duplicated a communicator for its
+    # end-of-program hooks, which the others, holding theirs, skipped).
+    manager.initialize_parallel()
+    if WORLD.rank == 0:
+        manager.destroy_parallel()
+    kept = list(range(1, WORLD.size))
+    raises_everywhere(RuntimeError, rf"initialize_parallel: a parallel state still exists on "
+                      rf"ranks \[{', '.join(map(str, kept))}\] but not on ranks \[0\]: "
+                      r"destroy_parallel\(\) is collective", manager.initialize_parallel)
+    agree(manager.is_initialized() == (WORLD.rank != 0))
+
+
 @pytest.mark.mpi(min_size=1)
 def test_agreeing_settings_initialize():
     with debug_mode(enabled=True, timeout=60.0):
