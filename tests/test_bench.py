@@ -110,7 +110,8 @@ def test_plans_and_launch_command(monkeypatch):
     assert {j.name for j in quick} == {"mappings", "torch_comm", "mlp", "comm_volume_8",
                                          "memory", "attention", "checkpoint",
                                          "fft_1", "fft_2", "fft_4", "halo", "mappings_ab",
-                                         "mappings_2nodes", "mappings_2nodes_4", "halo_2nodes"}
+                                         "mappings_2nodes", "mappings_2nodes_4", "halo_2nodes",
+                                         "pipeline"}
     assert all(j.env == run.TWO_NODES for j in quick if "2nodes" in j.name)
     assert {j.name for j in full} == {j.name for j in quick} | {"comm_volume_27"}
     assert all((run.HERE / j.script).is_file() for j in full)
