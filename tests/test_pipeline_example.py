@@ -18,8 +18,9 @@ from test_docs import _without_launcher_environment
 from test_examples import EXAMPLES, load
 
 ROOT = EXAMPLES.parent
-TINY = ["--steps", "3", "--batch", "13", "--length", "5", "--vocab", "11", "--hidden", "8",
-        "--layers", "2"]
+#: A batch that every replica of every layout cuts into p + 1 micro-batches, unevenly.
+TINY = ["--steps", "3", "--batch", str(4 * WORLD.size + 5), "--length", "5", "--vocab", "11",
+        "--hidden", "8", "--layers", "2"]
 
 
 def layouts(world: int) -> list[tuple[int, int]]:
