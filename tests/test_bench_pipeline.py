@@ -102,7 +102,7 @@ def _memory(held: list[int], formula: list[int]) -> dict:
 @pytest.mark.mpi(min_size=1)
 def test_report_judges_the_bubble_target(tmp_path):
     assert np.isclose(off_ideal(0.12, 0.1), 0.2) and off_ideal(0.05, 0.0) == 0.05
-    doc = {"benchmark": "pipeline", "ranks": 4, "cores": 2, "target": 0.10,
+    doc = {"benchmark": "pipeline", "ranks": 4, "cores": 2,
            "args": {"layers": 4, "width": 512, "rows": 128, "sleep_ms": 30.0, "repeats": 9},
            "cases": [_case("compute", 2, 2, 0.5), _case("compute", 2, 8, 0.114),
                      _case("sleep", 4, 16, 0.19, True), _case("compute", 4, 16, 0.6, True)],
