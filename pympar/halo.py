@@ -16,21 +16,21 @@ contract, ``<H x, y> == <x, H* y>`` summed over ranks): the axes in reverse orde
 rank sends its ghosts' gradients back to where the forward took them from, and the owner
 adds them to its boundary cells; the gradients of the outer (zero) ghosts are dropped.
 
-Faces travel through persistent requests made once per plan and padded array (a reused
-array starts its requests, ``Startall`` + ``Waitall`` per axis, instead of two ``Sendrecv``
-that rebuild their messages; up to four arrays used in turn keep theirs, made on the
-array's memory by address and released when the array goes). A NumPy face that is one contiguous run of the padded array
-travels in place as a plain buffer; any other (a split later axis, leading axes) as an MPI
-subarray datatype of the padded array (``faces="subarray"``) or packed into a reused
-contiguous buffer (``faces="packed"``). The default, ``faces="auto"``, packs under MPICH,
-whose datatype engine moved such faces 2.5-3x slower than a copy and a plain send, and uses
-subarray datatypes under other MPIs (Open MPI moved them as fast or faster). CuPy faces are
-always packed, and go to MPI as :mod:`pympar.collectives` sends device buffers: directly
-when :func:`pympar.backend.cuda_aware`, else through pinned host buffers. Along an axis a
-rank holds alone (periodic, not split) its ghosts are copies of its own opposite faces,
-through views planned with the requests: each region's contiguous runs as the elements of
-one void dtype, so that NumPy copies them run by run, without the temporary it makes when
-two regions of one array interleave.
+Faces travel through persistent requests made once per plan and padded array (a reused array
+starts its requests, ``Startall`` + ``Waitall`` per axis, instead of two ``Sendrecv`` that
+rebuild their messages; up to four arrays used in turn keep theirs, made on the array's
+memory by address and released when the array goes). A NumPy face that is one contiguous run
+of the padded array travels in place as a plain buffer; any other (a split later axis,
+leading axes) as an MPI subarray datatype of the padded array (``faces="subarray"``) or
+packed into a reused contiguous buffer (``faces="packed"``). The default, ``faces="auto"``,
+packs under MPICH, whose datatype engine moved such faces 2.5-3x slower than a copy and a
+plain send, and uses subarray datatypes under other MPIs (Open MPI moved them as fast or
+faster). CuPy faces are always packed, and go to MPI as :mod:`pympar.collectives` sends
+device buffers: directly when :func:`pympar.backend.cuda_aware`, else through pinned host
+buffers. Along an axis a rank holds alone (periodic, not split) its ghosts are copies of its
+own opposite faces, through views planned with the requests: each region's contiguous runs
+as the elements of one void dtype, so that NumPy copies them run by run, without the
+temporary it makes when two regions of one array interleave.
 
 Every call first checks with the neighbours it exchanges with, along each exchanged axis
 (:mod:`pympar._halo_check`: global shape, widths, leading shape, dtype, direction, label),
@@ -40,11 +40,11 @@ not fit, raise :class:`~pympar.debug.CollectiveMismatchError` (the refusing rank
 error) instead of exchanging faces of another size; the ranks beyond learn of it from the
 neighbours that raised, which tell those about to exchange with them, so that nobody waits
 for a face (they raise :class:`~pympar.errors.PeerEndedError`, or return with every face
-right when theirs came before). A repeated call (a known shape) costs one dictionary lookup and the check of
-a signature hashed once per plan and label (about 1.5 us, against 5-6 us when the key was
-hashed on every call); the padded array of the previous call again, unchanged, under the
-same label, skips even the lookup. On the same NumPy padded array object the exchange is
-then only its program (``_halo_plan.Plan.program``): per axis
+right when theirs came before). A repeated call (a known shape) costs one dictionary lookup
+and the check of a signature hashed once per plan and label (about 1.5 us, against 5-6 us
+when the key was hashed on every call); the padded array of the previous call again,
+unchanged, under the same label, skips even the lookup. On the same NumPy padded array
+object the exchange is then only its program (``_halo_plan.Plan.program``): per axis
 ``Startall`` + ``Waitall``, or the copies of its wrap, and the copies of packed faces (no
 ``ndarray.ctypes``, ~2 us, to learn the array's address, and nothing else in Python while
 statistics are off).
@@ -152,9 +152,10 @@ class HaloExchange:
     -----
     Creating one is collective over the decomposition's groups (one agreement check over
     each); every call of :meth:`exchange`, :meth:`adjoint`, :meth:`forward` and
-    :meth:`backward` checks with the neighbours only (see the module docstring). Arrays are ``(*leading, *padded_shape)`` (or the block's shape for
-    the input of ``forward`` and the result of ``backward``), with any leading axes
-    (batch, channels) alike on every rank; padded arrays must be C-contiguous.
+    :meth:`backward` checks with the neighbours only (see the module docstring). Arrays are
+    ``(*leading, *padded_shape)`` (or the block's shape for the input of ``forward`` and the
+    result of ``backward``), with any leading axes (batch, channels) alike on every rank;
+    padded arrays must be C-contiguous.
     """
 
     def __init__(self, decomposition: Decomposition, width: int | Sequence[Any] = 1,
