@@ -45,7 +45,8 @@ TARGET_RATIO_INPUT_GRAD = 0.9
 TARGET_RATIO_HAND = 1.03
 #: The JSON files whose ``machine`` record describes the run, first found first.
 MACHINE_FILES = ("mlp.json", "torch_comm.json", "comm_volume_8.json", "comm_volume_27.json",
-                 "memory.json", "attention.json", "checkpoint.json", "halo.json")
+                 "memory.json", "attention.json", "checkpoint.json", "halo.json",
+                 "pipeline.json")
 
 
 def _machine(folder: Path) -> dict[str, Any] | None:
