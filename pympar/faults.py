@@ -29,6 +29,14 @@
    ``initialize_parallel`` called on only some ranks raises
    :class:`~pympar.errors.CollectiveTimeoutError` on those ranks within the watchdog's
    timeout (the ranks that did not call it cannot know).
+5. **Ranks whose states differ** (``destroy_parallel`` called on some ranks only, then
+   ``initialize_parallel`` on all): :func:`start` makes the same calls on every rank
+   whatever each holds, so they meet, and ``initialize_parallel`` raises ``RuntimeError``
+   alike, naming the ranks that still hold a state.
+
+None of this relies on how a launcher ends a job (MPICH's ``mpiexec`` waits for every
+rank, Open MPI's ``mpirun`` kills the others once one exits non-zero, ``srun`` waits
+unless ``--kill-on-bad-exit``): every line is printed before any rank leaves.
 """
 
 from __future__ import annotations
