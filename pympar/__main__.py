@@ -25,6 +25,39 @@ from . import __version__, backend, manager
 from .launch import RankZeroParser, report_error
 
 
+#: The most characters of the library's own words that ``info`` shows on its line.
+_LIBRARY_WIDTH = 66
+
+
+def _library_name(version: str | None = None, width: int = _LIBRARY_WIDTH) -> str:
+    """The MPI library as the first line of its version text names it, spaces collapsed, in
+    its leading comma-separated fields that fit ``width`` characters: Open MPI's line runs to
+    140 (``Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: ...``), wider
+    than the pages that show this tool's output.
+
+    Parameters
+    ----------
+    version : str, optional
+        The text of ``MPI.Get_library_version()`` (the loaded library's by default).
+    width : int
+        The most characters (the first field is kept whole).
+
+    Returns
+    -------
+    str
+        E.g. ``"MPICH Version: 5.0.2"``, ``"Open MPI v4.1.4, package: Debian OpenMPI, ident:
+        4.1.4"``.
+    """
+    text = MPI.Get_library_version() if version is None else version
+    fields = " ".join(text.splitlines()[0].split()).split(", ")
+    shown = fields[0]
+    for field in fields[1:]:
+        if len(shown) + 2 + len(field) > width:
+            break
+        shown += ", " + field
+    return shown
+
+
 def _info(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     state = manager.initialize_parallel(args.tp, args.cp, args.order, comm, args.mode)
@@ -39,7 +72,7 @@ def _info(args: argparse.Namespace) -> int:
             aware = backend.mpi_library_cuda_support()
             print(f"pympar {__version__}")
             print(f"world size        {comm.Get_size()}")
-            print(f"MPI library       {MPI.Get_library_version().splitlines()[0].strip()}")
+            print(f"MPI library       {_library_name()}")
             print(f"MPI standard      {'.'.join(map(str, MPI.Get_version()))}, "
                   f"mpi4py {__import__('mpi4py').__version__}")
             library = {None: "unknown", True: "yes", False: "no"}[aware]
