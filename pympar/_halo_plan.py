@@ -107,11 +107,16 @@ class _Program:
 
 
 def _release(program: _Program) -> None:
-    """Free a program's requests (not after MPI has finalized: they went with it)."""
+    """Free a program's requests (not after MPI has finalized: they went with it; nor those
+    an MPI made null when they failed, as Open MPI 4.1 does)."""
     if not MPI.Is_finalized():
         for requests in program.persistent:
             for req in requests:
-                req.Free()
+                if req:
+                    try:
+                        req.Free()
+                    except MPI.Exception:
+                        pass
     program.persistent.clear()
     program.ops.clear()
     program.spans.clear()
@@ -341,6 +346,16 @@ class Plan:
         copy = ((self._runs(memory, region), self._runs(memory, region, buffer))
                 if buffer.size else None)
         return [buffer, self.mpi_type], copy
+
+    def drop(self) -> None:
+        """Release the current program (after an MPI error in it: an MPI may have made its
+        requests null); the array's next exchange makes a new one."""
+        program = self.programs.get(id(self.requests_on))
+        if program is not None and program.ops is self.ops:
+            del self.programs[id(self.requests_on)]
+            _release(program)
+        self.ops, self.spans, self.persistent = [], [], []
+        self.requests_on = None
 
     def free_requests(self) -> None:
         """Free every program's persistent requests."""

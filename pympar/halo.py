@@ -95,9 +95,13 @@ def _run(plan: Plan, ops: list[tuple[Any, Any]]) -> None:
 
 
 def _poisoned(plan: Plan, requests: list[MPI.Prequest], error: Exception) -> None:
-    """:func:`_run`'s error in ``requests``, the requests of one axis of the program."""
+    """:func:`_run`'s error in ``requests``, the requests of one axis of the program, which
+    goes (the next exchange makes another)."""
     axis = next(i for i, r in enumerate(plan.persistent) if r is requests)
-    _halo_check.poisoned(plan, "exchange", 2 * axis + 2, error, requests)
+    try:
+        _halo_check.poisoned(plan, "exchange", 2 * axis + 2, error, requests)
+    finally:
+        plan.drop()
 
 
 def _settled(requests: list[MPI.Request]) -> None:
@@ -297,7 +301,11 @@ class HaloExchange:
                     if differ:
                         _halo_check.check(self._checks, sig, plan.shown, name, plan,
                                           "exchange", first=differ)
-                _run(plan, program)
+                try:
+                    _run(plan, program)
+                except BaseException:
+                    self._ready = None  # its program went, or is half run
+                    raise
                 return padded
         plan = self._plan(padded, "exchange")
         self._exchange(plan, padded)
