@@ -4,7 +4,7 @@ Run on 4 ranks (2-stage cases use the first 2, the others wait asleep)::
 
     PYTHONPATH=. mpiexec -n 4 python benchmarks/bench_pipeline.py \\
         [--stages 2,4] [--micro 1,p,2p,4p] [--work compute,sleep] [--repeats 9] \\
-        [--width 512 --rows 128 --layers 4] [--sleep-ms 30] [--json PATH]
+        [--width 512 --rows 384 --layers 4] [--sleep-ms 30] [--json PATH]
 
 Every stage is the same: with ``--work compute``, ``--layers`` pairs of ``Linear(width,
 width)`` and ``GELU`` on micro-batches of ``--rows`` rows (float32, one BLAS thread per
@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="compute,sleep",
                         help=f"what a stage does, comma-separated, of {', '.join(WORKS)}")
     parser.add_argument("--width", type=int, default=512, help="features of a layer")
-    parser.add_argument("--rows", type=int, default=128, help="rows of a micro-batch")
+    parser.add_argument("--rows", type=int, default=384,
+                        help="rows of a micro-batch (384: about 30 ms a micro-batch, as "
+                        "--sleep-ms, on the committed run's cores)")
     parser.add_argument("--layers", type=int, default=4, help="Linear + GELU per stage")
     parser.add_argument("--sleep-ms", type=float, default=30.0,
                         help="--work sleep: a micro-batch's forward and backward, ms")
