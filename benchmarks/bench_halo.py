@@ -22,7 +22,7 @@ interleaved rounds (each sample: the slowest rank's time), as:
   contiguous run of it, else as a committed subarray datatype; along an axis that is
   periodic but not split, two slice copies (``u[..., 0] = u[..., -2]``);
 * ``raw_packed`` (where some face is strided): the same with each strided face copied into
-  a reused contiguous buffer and out of one (``MPI_PROC_NULL`` neighbours skipped);
+  a reused contiguous buffer and out of one (none toward or from ``MPI_PROC_NULL``);
 * ``raw_neighbor``: one ``Neighbor_alltoallw`` per split axis on a 1-D Cartesian
   communicator (the neighbourhood collective), the same local copies;
 * ``pympar_adjoint``: ``HaloExchange.adjoint`` (sends the ghosts back and adds them);
@@ -143,11 +143,11 @@ def raw_exchanges(d: Decomposition, width: int, buf: np.ndarray) -> tuple[dict, 
             m = messages[packed]
             for send, dest, recv, source, tag in (("send_up", upper, "recv_lo", lower, 1),
                                                   ("send_down", lower, "recv_hi", upper, 2)):
-                (out, face), (into, _) = m[send], m[recv]
-                if face is not None:
+                (out, face), (into, unpacked) = m[send], m[recv]
+                if face is not None and dest != MPI.PROC_NULL:
                     out[...] = face
                 comm.Sendrecv(out, dest, tag, into, source, tag)
-                if m[recv][1] is not None and source != MPI.PROC_NULL:
+                if unpacked is not None and source != MPI.PROC_NULL:
                     buf[f[recv]] = into
 
     ones, zeros = [1, 1], [0, 0]
