@@ -56,13 +56,20 @@ def widths(width: Any, ndim: int) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def packs_faces(faces: str) -> bool:
-    """Whether NumPy faces that are not one contiguous run go packed (else as subarray
-    datatypes). ``"auto"`` packs under MPICH, whose datatype engine moves a face of short
-    runs 2.5-3x slower than a NumPy copy into a buffer and a plain send (a split last axis:
-    one cell per row); Open MPI moved the same subarrays as fast or faster than packed
-    faces (see ``docs/howto/halos.rst``)."""
-    return faces == "packed" or (faces == "auto" and MPI.get_vendor()[0] == "MPICH")
+#: ``faces="auto"``: a face that is not one contiguous run of the padded array is packed
+#: when its runs are shorter than this many bytes, else sent as a subarray datatype. MPICH
+#: 5 (2 ranks, faces of 16 KiB to 1 MiB) moved faces of runs up to 512 B 1.2-10x faster
+#: packed, and of runs of 1 KiB and more 1.4-10x faster as datatypes; Open MPI 4.1 and 5
+#: moved runs of 8-16 B 2-4x faster packed, and longer ones about as fast either way.
+PACK_BELOW = {"MPICH": 1024}
+PACK_BELOW_OTHERS = 32
+
+
+def pack_below(faces: str) -> float:
+    """Runs (bytes) shorter than this go packed, under ``faces`` and this MPI library."""
+    if faces != "auto":
+        return math.inf if faces == "packed" else 0
+    return PACK_BELOW.get(MPI.get_vendor()[0], PACK_BELOW_OTHERS)
 
 
 class Axis:
@@ -173,21 +180,30 @@ def _layout(region: Index, shape: tuple[int, ...],
     return offset, dims
 
 
-def _runs(memory: np.ndarray, shape: tuple[int, ...], itemsize: int, region: Index,
-          like: np.ndarray | None = None) -> np.ndarray:
-    """``region`` of a C-contiguous array of ``shape`` whose bytes are ``memory`` (uint8) as
-    an array of its contiguous runs, each one element of a void dtype, over the fewest axes
-    (unit axes dropped, adjacent ones merged); or, with ``like`` (a contiguous buffer of the
-    region's cells), ``like`` cut the same way.
-
-    NumPy copies such an array run by run, and copies a one-dimensional one with no check
-    for overlap (an n-dimensional copy between interleaved regions of one array goes
-    through a temporary)."""
+def _split_runs(region: Index, shape: tuple[int, ...],
+                itemsize: int) -> tuple[int, list[tuple[int, int]], int]:
+    """:func:`_layout` of ``region`` with the contiguous run taken out: ``(offset, the axes
+    of the runs, run length in bytes)``."""
     offset, dims = _layout(region, shape, itemsize)
     run = itemsize
     if dims and dims[-1][1] == itemsize:
         run = dims.pop()[0] * itemsize
-    kind = np.dtype((np.void, run))
+    return offset, dims, run
+
+
+def _runs(memory: np.ndarray, shape: tuple[int, ...], itemsize: int, region: Index,
+          like: np.ndarray | None = None) -> np.ndarray:
+    """``region`` of a C-contiguous array of ``shape`` whose bytes are ``memory`` (uint8) as
+    an array of its contiguous runs, each one element (an unsigned int for runs of 1, 2, 4
+    or 8 bytes, else of a void dtype), over the fewest axes; or, with ``like`` (a contiguous
+    buffer of the region's cells), ``like`` cut the same way.
+
+    NumPy copies such an array run by run, and copies a one-dimensional one with no check
+    for overlap (an n-dimensional copy between interleaved regions of one array goes
+    through a temporary)."""
+    offset, dims, run = _split_runs(region, shape, itemsize)
+    # Runs of one machine word copy 2-2.5x faster as unsigned ints than as void (strided).
+    kind = np.dtype(f"u{run}") if run in (1, 2, 4, 8) else np.dtype((np.void, run))
     if like is not None:
         return np.ndarray(tuple(n for n, _ in dims), kind,
                           buffer=like.reshape(-1).view(np.uint8))
@@ -218,9 +234,6 @@ class Plan:
         self.shape, self.dtype = shape, x.dtype
         self.interior = (slice(None),) * lead + halo.interior
         self.numpy = type(x) is np.ndarray
-        self.packed = not self.numpy or packs_faces(halo.faces)
-        # The adjoint sends its faces in place as datatypes, or through buffers.
-        self.subarrays = self.numpy and not self.packed
         self.axes = []
         for a in halo.exchanged:
             group = d.groups[a]
@@ -238,6 +251,13 @@ class Plan:
                     full[a] = slice(start, start + width)
                     self.outer.append((slice(None),) * lead + tuple(full))
         self.mpi_type = backend.mpi_datatype(x.dtype)
+        # Per face, (axis, region name): whether it travels through a reused buffer (else in
+        # place: its bytes, or its subarray datatype). CuPy faces always do.
+        below = pack_below(halo.faces) if self.numpy else math.inf
+        self.packs = {(ax.axis, name): not _contiguous(getattr(ax, name), shape)
+                      and _split_runs(getattr(ax, name), shape, x.dtype.itemsize)[2] < below
+                      for ax in self.axes if ax.comm is not None
+                      for name in ("send_up", "recv_lo", "send_down", "recv_hi")}
         self.types: dict[tuple[int, str], MPI.Datatype] = {}
         self.buffers: dict[Any, Any] = {}
         self.signatures: dict[str | None, int] = {}  # the agreement key's, per label
@@ -340,7 +360,7 @@ class Plan:
             at = _layout(region, self.shape, self.dtype.itemsize)[0]
             return [memory[at:at + count(region, self.shape) * self.dtype.itemsize],
                     self.mpi_type], None
-        if not self.packed and count(region, self.shape):
+        if not self.packs[ax.axis, name] and count(region, self.shape):
             return [memory, 1, self.datatype(ax, name)], None
         buffer = self.buffer(ax, name)
         copy = ((self._runs(memory, region), self._runs(memory, region, buffer))

@@ -23,14 +23,16 @@ memory by address and released when the array goes). A NumPy face that is one co
 of the padded array travels in place as a plain buffer; any other (a split later axis,
 leading axes) as an MPI subarray datatype of the padded array (``faces="subarray"``) or
 packed into a reused contiguous buffer (``faces="packed"``). The default, ``faces="auto"``,
-packs under MPICH, whose datatype engine moved such faces 2.5-3x slower than a copy and a
-plain send, and uses subarray datatypes under other MPIs (Open MPI moved them as fast or
-faster). CuPy faces are always packed, and go to MPI as :mod:`pympar.collectives` sends
-device buffers: directly when :func:`pympar.backend.cuda_aware`, else through pinned host
-buffers. Along an axis a rank holds alone (periodic, not split) its ghosts are copies of its
-own opposite faces, through views planned with the requests: each region's contiguous runs
-as the elements of one void dtype, so that NumPy copies them run by run, without the
-temporary it makes when two regions of one array interleave.
+packs a face whose contiguous runs are short and sends the others as subarray datatypes:
+under MPICH runs shorter than 1 KiB (its datatype engine moved them up to 10x slower than a
+copy and a plain send, and longer runs up to 10x faster than packed), under other MPIs runs
+shorter than 32 B (``_halo_plan.PACK_BELOW``). CuPy faces are always packed, and go to MPI
+as :mod:`pympar.collectives` sends device buffers: directly when
+:func:`pympar.backend.cuda_aware`, else through pinned host buffers. Along an axis a rank
+holds alone (periodic, not split) its ghosts are copies of its own opposite faces, through
+views planned with the requests: each region's contiguous runs as the elements of one dtype
+(an unsigned int, or void), so that NumPy copies them run by run, without the temporary it
+makes when two regions of one array interleave.
 
 Every call first checks with the neighbours it exchanges with, along each exchanged axis
 (:mod:`pympar._halo_check`: global shape, widths, leading shape, dtype, direction, label),
@@ -128,9 +130,9 @@ class HaloExchange:
     faces : {"auto", "subarray", "packed"}, default "auto"
         How NumPy faces that are not one contiguous run of the padded array reach MPI: as
         subarray datatypes of the padded array, or copied through reused contiguous
-        buffers; ``"auto"``: packed under MPICH, subarray datatypes under other MPIs (see
-        the module docstring). Contiguous faces always travel in place; CuPy faces are
-        always packed.
+        buffers; ``"auto"``: packed where their contiguous runs are short (under 1 KiB with
+        MPICH, 32 B with other MPIs), else as datatypes (see the module docstring).
+        Contiguous faces always travel in place; CuPy faces are always packed.
 
     Attributes
     ----------
@@ -468,7 +470,8 @@ class HaloExchange:
             return
         incoming = plan.buffer(ax, receiving)
         comm = ax.comm
-        if plan.subarrays:  # (the adjoint) send in place, receive whole to add
+        if plan.numpy and not plan.packs[ax.axis, sending]:
+            # (the adjoint) send in place, receive whole to add
             _settled([comm.Irecv([incoming, plan.mpi_type], source, tag),
                       comm.Isend([padded, 1, plan.datatype(ax, sending)], dest, tag)])
         else:

@@ -289,6 +289,29 @@ def test_every_numpy_exchange_runs_its_program(mesh, layout, periodic, faces):
     halo.free()
 
 
+@pytest.mark.skipif(P == 1, reason="needs a neighbour")
+@pytest.mark.parametrize("faces", FACES)
+@pytest.mark.parametrize("last", [2, 256])
+def test_which_faces_go_packed(mesh, faces, last):
+    """A 3-D field split along its first axis: its faces are runs of ``last`` cells (16 B,
+    2 KiB). 'packed' packs them, 'subarray' sends them as datatypes, 'auto' packs runs
+    shorter than this MPI's threshold; the ghosts are right either way."""
+    from pympar import _halo_plan
+
+    shape = (2 * P, 5, last)
+    d = Decomposition(shape, {0: mesh["xy"]}, True)
+    halo = HaloExchange(d, 1, faces=faces)
+    full = field(shape, seed=14)
+    want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
+    assert_equal(halo.forward(d.take(full)), want, "forward")
+    packs = set(halo._last[3].packs.values())
+    run = 8 * last
+    expected = {"packed": True, "subarray": False,
+                "auto": run < _halo_plan.pack_below("auto")}[faces]
+    agree(packs == {expected}, f"{faces}, runs of {run} B: packed {packs}")
+    halo.free()
+
+
 def test_the_wrap_of_an_axis_held_alone_makes_no_temporary(mesh):
     """A 3-D field split along its first axis (on one rank: not at all), periodic: the two
     axes a rank holds alone wrap by copies of planned views, with no temporary array where
