@@ -260,7 +260,7 @@ def measure(shape: tuple[int, ...], layout: str, sizes: dict[str, int], width: i
             "face_bytes_max": int(WORLD.allreduce(face_bytes(d, width, buf.shape),
                                                   op=MPI.MAX)),
             "median_us": {k: v * 1e6 for k, v in median.items()},
-            "samples_us": {k: [t * 1e6 for t in v] for k, v in samples.items()},
+            "samples_us": {k: [round(t * 1e6, 2) for t in v] for k, v in samples.items()},
             "anchor": anchor, "ratio": paired("pympar", anchor),
             "ratio_of_medians": median["pympar"] / median[anchor],
             "ratio_sendrecv": paired("pympar", "raw_sendrecv"),

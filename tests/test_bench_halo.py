@@ -26,12 +26,13 @@ def test_a_small_case_runs_and_counts_the_faces(layout, boundary):
     # Every variant but PETSc's: each face of a 3-D field is strided (later axes' blocks).
     agree(set(case["median_us"]) == set(bench_halo.VARIANTS) - set(halo_petsc.VARIANTS),
           str(case))
-    # The ratio pairs pympar with the anchor (the faster raw code) round by round.
+    # The ratio pairs pympar with the anchor (the faster raw code) round by round (the
+    # samples kept are rounded to 0.01 us).
     times = case["samples_us"]
     anchor = case["anchor"]
     paired = np.median(np.array(times["pympar"]) / np.array(times[anchor]))
     medians = case["median_us"]
-    agree(len(times["pympar"]) == 3 and np.isclose(case["ratio"], paired, rtol=1e-12)
+    agree(len(times["pympar"]) == 3 and np.isclose(case["ratio"], paired, rtol=5e-3)
           and medians[anchor] == min(medians["raw_sendrecv"], medians["raw_packed"]),
           f"{case['ratio']} != {paired}, anchor {anchor} of {medians}")
     periodic = {"all": [True] * 3, "none": [False] * 3,
