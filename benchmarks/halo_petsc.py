@@ -49,17 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--petsc-job", action="store_true", help=argparse.SUPPRESS)
 
 
-def available() -> bool:
-    """Whether petsc4py imports on every rank here (collective)."""
+def available() -> str:
+    """PETSc's version where petsc4py imports on every rank here, else "" (collective)."""
     try:
         import petsc4py
 
         petsc4py.init(["bench_halo"])
-        from petsc4py import PETSc  # noqa: F401
-        ok = True
+        from petsc4py import PETSc
+        version = ".".join(map(str, PETSc.Sys.getVersion()))
     except ImportError:
-        ok = False
-    return bool(MPI.COMM_WORLD.allreduce(int(ok), op=MPI.MIN))
+        version = ""
+    return version if MPI.COMM_WORLD.allreduce(int(bool(version)), op=MPI.MIN) else ""
 
 
 def exchanges(d: Any, width: int) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:

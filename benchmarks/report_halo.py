@@ -60,14 +60,16 @@ def _petsc_lines(job: dict[str, Any] | None) -> list[str]:
     if "skipped" in job or not job.get("petsc"):
         return ["", f"PETSc: no figures ({job.get('skipped', 'petsc4py did not import')})."]
     machine = job.get("machine", {})
+    petsc = f"PETSc {job['petsc']}" if isinstance(job.get("petsc"), str) else "PETSc"
     lines = ["", "### Beside PETSc", "",
              f"The same cases in a job of their own under {mpi_name(machine) or 'another MPI'} "
              f"(Python {machine.get('python')}, NumPy {machine.get('numpy')}, mpi4py "
-             f"{machine.get('mpi4py')}), where petsc4py imports: PETSc's DMDA of the same "
+             f"{machine.get('mpi4py')}), where petsc4py imports: {petsc}'s DMDA of the same "
              "shape, split, boundaries and stencil width (box stencil), its ghost update "
              "`globalToLocal` (the local vector from the global one: the interior is "
-             "copied too) and `localToLocal` in place (the ghosts only, as pympar's "
-             "exchange). Ratios pair variants of that job only.", ""]
+             "copied too) and `localToLocal` in place (from local vectors into the same "
+             "one, as pympar's exchange; where its time grows with the block rather than "
+             "the faces it moves the interior too). Ratios pair variants of that job only.", ""]
     rows = []
     for c in job.get("cases", []):
         t = c["median_us"]
