@@ -319,9 +319,11 @@ def resolve_group(group: Group | None, layer: str, axis: str = "tensor") -> Grou
 # The 16 getters of MindScience's distributed.manager, four per group of the current state,
 # each with a real return type. Each raises RuntimeError before initialize_parallel.
 
-def _getters(axis: str, words: str) -> tuple[Callable[[], Group], Callable[[], str],
-                                              Callable[[], int], Callable[[], int]]:
-    """``get_<axis>_parallel_group``, ``_group_name``, ``_rank`` and ``_world_size``."""
+def _getters(axis: str, words: str, prefix: str | None = None) -> tuple[
+        Callable[[], Group], Callable[[], str], Callable[[], int], Callable[[], int]]:
+    """``get_<prefix>_parallel_group``, ``_group_name``, ``_rank`` and ``_world_size`` of the
+    state's group ``axis`` (``prefix``: ``axis`` unless given, as Megatron's
+    ``pipeline_model``)."""
     def group() -> Group:
         return getattr(get_parallel_state(), axis)
 
@@ -339,7 +341,7 @@ def _getters(axis: str, words: str) -> tuple[Callable[[], Group], Callable[[], s
                                 (name, "group_name", f"the name of {mine} group"),
                                 (rank, "rank", f"this rank's position in its {words} group"),
                                 (world_size, "world_size", f"the size of {mine} group")):
-        getter.__name__ = getter.__qualname__ = f"get_{axis}_parallel_{suffix}"
+        getter.__name__ = getter.__qualname__ = f"get_{prefix or axis}_parallel_{suffix}"
         getter.__doc__ = f"Return {doc}."
     return group, name, rank, world_size
 
@@ -356,25 +358,9 @@ def _getters(axis: str, words: str) -> tuple[Callable[[], Group], Callable[[], s
 
 # Megatron's pipeline getters (parallel_state), on the current state's pipeline group.
 
-def get_pipeline_model_parallel_group() -> Group:
-    """Return this rank's pipeline group (its ranks in stage order)."""
-    group: Group = get_parallel_state().pipeline
-    return group
-
-
-def get_pipeline_model_parallel_group_name() -> str:
-    """Return the name of this rank's pipeline group."""
-    return get_pipeline_model_parallel_group().name
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    """Return this rank's stage (its position in the pipeline group)."""
-    return get_pipeline_model_parallel_group().rank
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    """Return the number of pipeline stages."""
-    return get_pipeline_model_parallel_group().size
+(get_pipeline_model_parallel_group, get_pipeline_model_parallel_group_name,
+ get_pipeline_model_parallel_rank, get_pipeline_model_parallel_world_size) = _getters(
+    "pipeline", "pipeline", "pipeline_model")
 
 
 def is_pipeline_first_stage() -> bool:
