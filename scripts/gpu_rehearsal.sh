@@ -38,17 +38,38 @@ venv=$dir/venv
 "$py312" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check numpy pytest ml_dtypes xxhash \
   mpi4py
+# The GPU machine has no MPI library. Where this host has one (Debian's Open MPI, which make
+# test-system-mpi installs), the check runs in a mount namespace of its own in which every
+# MPI library the loader knows, and every launcher on PATH, reads as /dev/null.
+hidden=()
 if "$venv/bin/python" -c "from mpi4py import MPI" 2> /dev/null; then
+  mapfile -t hidden < <({ ldconfig -p | awk '$1 ~ /^lib(mpi|mpich|pmpi)[.-]/ {print $NF}'
+                          for launcher in mpiexec mpirun; do type -aP "$launcher"; done; } |
+                        xargs -r readlink -f | sort -u)
+fi
+in_layout() {  # COMMAND...: run as on the GPU machine, the host's MPI hidden
+  if (( ${#hidden[@]} == 0 )); then "$@"; return; fi
+  unshare --mount --propagation private bash -c \
+    'n=$1; shift; for f in "${@:1:n}"; do mount --bind /dev/null "$f" || exit 97; done
+     shift "$n"; exec "$@"' _ "${#hidden[@]}" "${hidden[@]}" "$@"
+}
+if (( ${#hidden[@]} )) && ! in_layout true 2> /dev/null; then
+  echo "gpu-rehearsal: FAIL (this host's MPI (${hidden[*]}) must be hidden from the venv, as the" \
+       "GPU machine has none, and a private mount namespace needs root: unshare --mount)"
+  exit 1
+fi
+if in_layout "$venv/bin/python" -c "from mpi4py import MPI" 2> /dev/null; then
   echo "gpu-rehearsal: FAIL (the venv's mpi4py found an MPI library; the GPU machine's finds none)"
   exit 1
 fi
+(( ${#hidden[@]} )) && echo "gpu-rehearsal: this host's MPI hidden from the check: ${hidden[*]}"
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
 cp -r tests/fakecupy/cupy tests/fakecupy/cupyx "$site/"
 scripts/gpu_wheels.sh .whl
 
 echo "gpu-rehearsal: scripts/gpu_check.sh on that layout ($(( $(date +%s) - start ))s of set-up)"
 # As on the GPU machine: no MPI of this project's venv, nothing on PYTHONPATH.
-env -u MPIEXEC -u PYTHONPATH -u PYMPAR_FAKE_CUPY PATH="$venv/bin:$PATH" \
+in_layout env -u MPIEXEC -u PYTHONPATH -u PYMPAR_FAKE_CUPY PATH="$venv/bin:$PATH" \
   PYTHON="$venv/bin/python" GPU_CHECK_OUT="$dir/check" \
   GPU_CHECK_BENCH_ARGS="--sizes 4KiB,64KiB --repeats 3 --mlp 64x128" \
   scripts/gpu_check.sh | tee "$dir/check.txt"
