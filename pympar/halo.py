@@ -26,8 +26,11 @@ packed into a reused contiguous buffer (``faces="packed"``). The default, ``face
 packs a face whose contiguous runs are short and sends the others as subarray datatypes:
 under MPICH runs shorter than 1 KiB (its datatype engine moved them up to 10x slower than a
 copy and a plain send, and longer runs up to 10x faster than packed), under other MPIs runs
-shorter than 32 B (``_halo_plan.PACK_BELOW``). CuPy faces are always packed, and go to MPI
-as :mod:`pympar.collectives` sends device buffers: directly when
+shorter than 32 B (``_halo_plan.PACK_BELOW``); under MPICH a face of at most 16 KiB to or
+from a neighbour on another node always goes as a datatype (its network module packs so
+small a message once, into its own buffer: ``_halo_plan.OFF_NODE_DATATYPE_UP_TO``). CuPy
+faces are always packed, and go to MPI as :mod:`pympar.collectives` sends device buffers:
+directly when
 :func:`pympar.backend.cuda_aware`, else through pinned host buffers. Along an axis a rank
 holds alone (periodic, not split) its ghosts are copies of its own opposite faces, through
 views planned with the requests: each region's contiguous runs as the elements of one dtype
@@ -131,7 +134,8 @@ class HaloExchange:
         How NumPy faces that are not one contiguous run of the padded array reach MPI: as
         subarray datatypes of the padded array, or copied through reused contiguous
         buffers; ``"auto"``: packed where their contiguous runs are short (under 1 KiB with
-        MPICH, 32 B with other MPIs), else as datatypes (see the module docstring).
+        MPICH, 32 B with other MPIs), else as datatypes, and as datatypes under MPICH when
+        they are at most 16 KiB and cross a node (see the module docstring).
         Contiguous faces always travel in place; CuPy faces are always packed.
 
     Attributes
