@@ -14,7 +14,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "PeerEndedError", "wait",
-           "timeout_error", "ended_error", "where", "yield_core"]
+           "timeout_error", "ended_error", "where", "yield_core", "doze"]
 
 #: Give the core to another runnable process (time.sleep(0) where the OS has no sched_yield).
 yield_core = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
@@ -94,6 +94,15 @@ def timeout_error(operation: str, group: Any, timeout: float, request: MPI.Reque
     return error
 
 
+def doze(delay: float, waited: float) -> float:
+    """Sleep ``delay`` s between two polls of a wait that has lasted ``waited`` s, and return
+    the next sleep: doubling, at most 1 ms and at most 1 % of the time waited, so that waking
+    up after the message came adds at most about 1 % to any wait (a pipeline stage waits
+    for its neighbour's whole micro-batch, many times a step)."""
+    time.sleep(delay)
+    return min(2 * delay, 1e-3, max(1e-5, 0.01 * waited))
+
+
 def wait(request: MPI.Request | list[MPI.Request], operation: str, group: Any,
          timeout: float | None,
          error: Callable[..., CollectiveTimeoutError] = timeout_error) -> None:
@@ -102,8 +111,8 @@ def wait(request: MPI.Request | list[MPI.Request], operation: str, group: Any,
     (the request stays pending).
 
     The poll spins, then yields the core between tests (a rank it waits for may need that
-    core: ranks sharing cores), then after 10 ms sleeps between them, backing off to 1 ms,
-    so that a long wait does not burn a core."""
+    core: ranks sharing cores), then after 10 ms sleeps between them (:func:`doze`), so
+    that a long wait does not burn a core."""
     several = isinstance(request, list)
     if timeout is None:
         MPI.Request.Waitall(request) if several else request.Wait()
@@ -122,5 +131,4 @@ def wait(request: MPI.Request | list[MPI.Request], operation: str, group: Any,
         if t < yielding:
             yield_core()
         else:
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            delay = doze(delay, t - start)

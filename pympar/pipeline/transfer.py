@@ -340,7 +340,8 @@ class StageTransfer:
                 return
         timeout = debug._timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        yielding, delay = time.monotonic() + 0.01, 1e-5
+        start = time.monotonic()
+        yielding, delay = start + 0.01, 1e-5
         while not test(requests):
             for peer, buf, request in self._listening:
                 if request.Test():
@@ -357,8 +358,7 @@ class StageTransfer:
             if now < yielding:
                 errors.yield_core()
             else:
-                time.sleep(delay)
-                delay = min(2 * delay, 1e-3)
+                delay = errors.doze(delay, now - start)
 
     def _tell(self, kind: int, text: str, exclude: int | None = None) -> None:
         """Send every neighbour but ``exclude`` an abort (not waited for: the neighbours'
