@@ -196,7 +196,8 @@ def is_open_mpi(mpiexec: str) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     text = text.lower()
-    return any(key in text for key in ("open mpi", "openmpi", "open-rte", "prrte"))
+    # Open MPI 5: "mpirun (Open MPI) 5.0.x"; 4.x: "mpirun (OpenRTE) 4.1.4" (a name of its own).
+    return any(key in text for key in ("open mpi", "openmpi", "openrte", "open-rte", "prrte"))
 
 
 def launch_command(mpiexec: str, ranks: int, argv: Sequence[str],

@@ -130,6 +130,20 @@ def test_plans_and_launch_command(monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("banner, expected", [
+    ("mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/", True),
+    ("mpirun (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/", True),
+    ("prterun (PRRTE) 3.0.6", True),
+    ("HYDRA build details:\n    Version:                                 4.2.0", False)])
+def test_the_launchers_kind_from_its_version_banner(tmp_path, banner, expected):
+    # Open MPI's launchers need --oversubscribe: 4.1 names itself OpenRTE, not Open MPI.
+    fake = tmp_path / "mpirun"
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
+    fake.chmod(0o755)
+    assert run.is_open_mpi(str(fake)) is expected
+
+
+@pytest.mark.mpi(min_size=1)
 def test_mappings_ab_combines_rounds_and_judges_both_targets():
     from benchmarks import bench_mappings_ab, report_mappings
 
