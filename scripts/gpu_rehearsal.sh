@@ -8,7 +8,8 @@
 # as the packages cupy and cupyx; .whl/ filled by scripts/gpu_wheels.sh. The check then runs
 # every step (the GPU line, the MPI install, MPI, the CUDA-aware question, the probe, the CuPy
 # tests on 2 and 4 ranks, a small benchmark) and must end "VERDICT: PASS".
-# Says "gpu-rehearsal: SKIPPED (why)" where no Python 3.12 can be found (PYTHON312=path).
+# Says "gpu-rehearsal: SKIPPED (why)" where no Python 3.12 can be found (PYTHON312=path), or where
+# this host has an MPI library that no private mount namespace can hide (not root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -54,9 +55,9 @@ in_layout() {  # COMMAND...: run as on the GPU machine, the host's MPI hidden
      shift "$n"; exec "$@"' _ "${#hidden[@]}" "${hidden[@]}" "$@"
 }
 if (( ${#hidden[@]} )) && ! in_layout true 2> /dev/null; then
-  echo "gpu-rehearsal: FAIL (this host's MPI (${hidden[*]}) must be hidden from the venv, as the" \
-       "GPU machine has none, and a private mount namespace needs root: unshare --mount)"
-  exit 1
+  echo "gpu-rehearsal: SKIPPED (this host's MPI (${hidden[*]}) must be hidden from the venv, as" \
+       "the GPU machine has none, and unshare --mount, which would hide it, is not allowed here)"
+  exit 0
 fi
 if in_layout "$venv/bin/python" -c "from mpi4py import MPI" 2> /dev/null; then
   echo "gpu-rehearsal: FAIL (the venv's mpi4py found an MPI library; the GPU machine's finds none)"
