@@ -154,9 +154,27 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--out", default="bench-results")
 
 
+def _plan_cli() -> ModuleType:
+    """The planner's command line (imported when used)."""
+    from .plan import cli
+    return cli
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if MPI.COMM_WORLD.Get_rank() == 0:  # arithmetic: rank 0 says it, every rank returns alike
+        return _plan_cli().run(args)
+    with open(os.devnull, "w") as quiet:
+        saved, sys.stdout, sys.stderr = (sys.stdout, sys.stderr), quiet, quiet
+        try:
+            return _plan_cli().run(args)
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
 DESCRIPTION = ("pympar's command line: `info` prints the MPI setup and the parallel layout "
                "(under your launcher, e.g. `mpiexec -n 4 python -m pympar info --tp 2`); "
-               "`bench` runs the benchmarks of a repository checkout (without a launcher).")
+               "`bench` runs the benchmarks of a repository checkout (without a launcher); "
+               "`plan` ranks the layouts of a model by predicted step time (no launcher).")
 REFERENCE_WIDTH = 88
 
 
@@ -164,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the parser of ``python -m pympar`` (also used to write the CLI reference)."""
     parser = RankZeroParser(prog="python -m pympar", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pympar {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,bench}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{info,bench,plan}")
     info = commands.add_parser("info", help="print the MPI setup and the parallel layout",
                                description="Print the MPI library, CUDA-awareness and the "
                                            "rank -> host -> coordinates -> groups table. Run it "
@@ -181,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "results.md. --quick takes under two minutes on two cores.")
     _bench_arguments(bench)
     bench.set_defaults(run=_bench, parser=bench)
+    plan = commands.add_parser(
+        "plan", help="rank the layouts of a model by predicted step time (no launcher)",
+        description="List the layouts of a model that fit a rank count, fastest first by "
+                    "predicted step time, with memory per rank, bytes sent per step and "
+                    "the share of communication; say why the others do not fit. Arithmetic "
+                    "only: no launcher, no communication.")
+    _plan_cli().add_arguments(plan)
+    plan.set_defaults(run=_plan, parser=plan)
     return parser
 
 

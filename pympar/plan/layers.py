@@ -55,9 +55,10 @@ class Param:
         return self.size * self.itemsize
 
 
-def matmul_work(env: Env, kind: str, m: int, k: int, n: int) -> None:
-    """One ``(m, k) @ (k, n)`` product: ``2 m k n`` FLOPs and its three operands' bytes."""
-    env.compute(kind, 2.0 * m * k * n, (m * k + k * n + m * n) * env.itemsize)
+def matmul_work(env: Env, kind: str, m: int, k: int, n: int, passes: int = 1) -> None:
+    """One ``(m, k) @ (k, n)`` product: ``2 m k n`` FLOPs and the bytes of its operands, the
+    result's counted ``passes`` times (a bias added to it, a sum over its rows)."""
+    env.compute(kind, 2.0 * m * k * n, (m * k + k * n + passes * m * n) * env.itemsize)
 
 
 class Layer:
@@ -117,13 +118,16 @@ class Linear(Layer):
     def forward(self, env: Env, x: Array) -> Array:
         rows = x.size // self.in_features
         env.save(self, x)  # x2d: a view of x
-        matmul_work(env, "linear.forward", rows, self.in_features, self.out_features)
+        matmul_work(env, "linear.forward", rows, self.in_features, self.out_features,
+                    3 if self.bias else 1)
         return env.array((*x.shape[:-1], self.out_features))
 
     def backward(self, env: Env, dy: Array) -> Array | None:
         (x,) = env.release(self)
         rows = x.size // self.in_features
-        matmul_work(env, "linear.backward", self.in_features, rows, self.out_features)
+        matmul_work(env, "linear.backward", self.out_features, rows, self.in_features)
+        if self.bias:
+            env.compute("linear.backward", 0, dy.nbytes)
         if not self.input_grad:
             return None
         matmul_work(env, "linear.backward", rows, self.out_features, self.in_features)

@@ -196,14 +196,13 @@ def describe(layout: Layout, model: Any = None) -> str:
     return " ".join(words)
 
 
-def memory_of(env: Env, params: list[Param], zero_role: str | None,
-              weight_decay: bool = False) -> dict[str, int]:
+def memory_of(env: Env, params: list[Param], zero_role: str | None) -> dict[str, int]:
     """Parameters, gradients, AdamW (sharded over ``zero_role`` when given) and the
     activation peak, in bytes."""
     zero = None
     if zero_role is not None:
         zero = training.zero_plan(params, env.site.size(zero_role), env.site.rank(zero_role))
-    state = training.optimizer_memory(params, zero, weight_decay)
+    state = training.optimizer_memory(params, zero)
     nbytes = training.parameter_bytes(params)
     return {"parameters": nbytes, "gradients": nbytes, "optimizer": state["optimizer"],
             "workspace": state["workspace"], "activations": env.peak}

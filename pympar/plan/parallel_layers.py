@@ -58,7 +58,7 @@ class ColumnParallelLinear(Layer):
         env.check(self.role)
         rows, out = x.size // self.in_features, _mine(self.out_features, env, self.role)
         env.save(self, x)
-        matmul_work(env, "linear.forward", rows, self.in_features, out)
+        matmul_work(env, "linear.forward", rows, self.in_features, out, 3 if self.bias else 1)
         y = env.array((*x.shape[:-1], out))
         if self.gather_output:
             env.call(self.role, "gather_from_hidden.forward", "all_gather", y.nbytes,
@@ -70,7 +70,9 @@ class ColumnParallelLinear(Layer):
         (x,) = env.release(self)
         env.check(self.role)
         rows, out = x.size // self.in_features, _mine(self.out_features, env, self.role)
-        matmul_work(env, "linear.backward", self.in_features, rows, out)
+        matmul_work(env, "linear.backward", out, rows, self.in_features)
+        if self.bias:
+            env.compute("linear.backward", 0, rows * out * env.itemsize)
         if not self.input_grad:
             return None
         matmul_work(env, "linear.backward", rows, out, self.in_features)
@@ -101,7 +103,8 @@ class RowParallelLinear(Layer):
             x = env.array((*x.shape[:-1], width))  # my block of the last axis, a copy
         rows = x.size // width if width else 0
         env.save(self, x)
-        matmul_work(env, "linear.forward", rows, width, self.out_features)
+        matmul_work(env, "linear.forward", rows, width, self.out_features,
+                    3 if self.bias else 1)
         y = env.array((*x.shape[:-1], self.out_features))
         env.call(self.role, "reduce_from_all.forward", "all_reduce", y.nbytes, y.nbytes)
         return y
@@ -111,7 +114,9 @@ class RowParallelLinear(Layer):
         env.check(self.role)
         width = _mine(self.in_features, env, self.role)
         rows = dy.size // self.out_features
-        matmul_work(env, "linear.backward", width, rows, self.out_features)
+        matmul_work(env, "linear.backward", self.out_features, rows, width)
+        if self.bias:
+            env.compute("linear.backward", 0, dy.nbytes)
         if not self.input_grad:
             return None
         matmul_work(env, "linear.backward", rows, self.out_features, width)

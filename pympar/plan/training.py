@@ -4,7 +4,7 @@ Mirrors :func:`pympar.optim.allreduce_gradients` (buckets of at most 25 MiB per 
 all-reduce each), :class:`pympar.zero.ZeroRedundancyOptimizer` (shares from
 :func:`pympar.zero.share_rows`, one reduce-scatter and one all-gather per bucket, one check
 on the update) and :class:`pympar.optim.AdamW` (two moments per element, one scratch array
-per dtype as large as the largest parameter, a second with weight decay), so that
+per dtype as large as the largest parameter), so that
 :func:`optimizer_memory` equals :func:`pympar.memory.optimizer_bytes` and
 :func:`~pympar.memory.workspace_bytes` on every rank.
 """
@@ -46,17 +46,18 @@ def _buckets(params: list[Param], bound: int) -> list[list[Param]]:
     return out
 
 
-def allreduce_gradients(env: Env, params: list[Param], role: str,
+def allreduce_gradients(env: Env, params: list[Param], role: str, average: bool = False,
                         bound: int = BUCKET_BYTES) -> None:
-    """``allreduce_gradients(params, group, average=False)``: nothing on a group of one rank,
-    else per bucket: pack, one all-reduce, unpack."""
+    """``allreduce_gradients(params, group, average=average)``: nothing on a group of one
+    rank, else per bucket: pack, one all-reduce, unpack."""
     if env.site.size(role) == 1:
         return
     for bucket in _buckets(params, bound):
         nbytes = sum(p.nbytes for p in bucket)
         for p in bucket:
             env.compute("bucket", 0, 2 * p.nbytes)
-        collective(env, role, "allreduce_gradients sum:all_reduce", "all_reduce", nbytes, nbytes)
+        operation = f"allreduce_gradients {'average' if average else 'sum'}:all_reduce"
+        collective(env, role, operation, "all_reduce", nbytes, nbytes)
 
 
 @dataclass
@@ -141,8 +142,7 @@ def zero_grad(env: Env, params: list[Param]) -> None:
         env.compute("zero_grad", 0, p.nbytes)
 
 
-def optimizer_memory(params: list[Param], zero: ZeroPlan | None = None,
-                     weight_decay: bool = False) -> dict[str, int]:
+def optimizer_memory(params: list[Param], zero: ZeroPlan | None = None) -> dict[str, int]:
     """AdamW's bytes on one rank: ``{"optimizer": moments, "workspace": scratch}``.
 
     Parameters
@@ -152,15 +152,17 @@ def optimizer_memory(params: list[Param], zero: ZeroPlan | None = None,
     zero : ZeroPlan, optional
         Under ZeRO: the moments and scratch are the shares', and the ``(d, width)`` and
         ``width`` buffers of the largest bucket join the workspace.
-    weight_decay : bool
-        A second scratch array (the decayed gradient).
+
+    Notes
+    -----
+    AdamW's weight decay scales the parameter in place (decoupled): it needs no scratch.
     """
     sizes = [p.size for p in params] if zero is None else zero.shares
     moments = sum(2 * n * p.itemsize for n, p in zip(sizes, params))
     largest: dict[int, int] = {}
     for n, p in zip(sizes, params):
         largest[p.itemsize] = max(largest.get(p.itemsize, 0), n)
-    scratch = sum(n * s for s, n in largest.items()) * (2 if weight_decay else 1)
+    scratch = sum(n * s for s, n in largest.items())
     if zero is not None:
         # One wide and one narrow buffer per dtype, each sized for the widest bucket of any.
         for itemsize in set(zero.itemsizes):

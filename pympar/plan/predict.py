@@ -1,0 +1,183 @@
+"""A layout's predicted step: time, its parts, messages, bytes and memory; and the ranking.
+
+The step time of a rank is the sum of its parts (pympar's collectives block, so nothing
+overlaps but a ring's transfers, priced as if they did not):
+
+* **compute**: every piece of local work (:class:`~pympar.plan.program.Work`), timed by the
+  machine's measured kernels or its roofline;
+* **communication**: every call's critical path (:mod:`pympar.plan.costs`) and pympar's own
+  time per call;
+* **checks**: every agreement check, priced apart (:func:`pympar.plan.costs.check_seconds`);
+* **shared cores**: with more ranks on a node than cores, the ranks take turns: compute
+  takes ``ranks / cores`` times as long, and every synchronizing call or check waits for its
+  partners' turn on the core (the machine's measured ``shared`` cost per call).
+
+Rank 0 is the one priced: under the balanced split it holds the largest blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import costs
+from .machine import Machine
+from .models import Layout, Model, describe, run_step
+from .program import Work
+
+__all__ = ["Prediction", "work_seconds", "predict", "rank"]
+
+
+@dataclass
+class Prediction:
+    """What the planner predicts for one layout.
+
+    Attributes
+    ----------
+    layout : Layout
+    text : str
+        The layout in a few words.
+    fits : bool
+        Whether it can run (the model takes it and its memory fits).
+    reason : str or None
+        Why it does not fit.
+    seconds : dict of str to float
+        ``compute``, ``communication``, ``checks`` (each with its waits for shared cores)
+        and ``step`` (their sum), per step.
+    messages : int
+        Point-to-point messages rank 0 sends per step (its collectives' algorithms).
+    bytes_sent : float
+        Bytes rank 0 sends per step.
+    calls, checks : int
+        Collective calls and agreement checks per step.
+    memory : dict of str to int
+        Rank 0's bytes (:func:`pympar.memory.memory_report`'s kinds and ``total``).
+    """
+
+    layout: Layout
+    text: str
+    fits: bool = True
+    reason: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    messages: int = 0
+    bytes_sent: float = 0.0
+    calls: int = 0
+    checks: int = 0
+    memory: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def step(self) -> float:
+        """Predicted seconds per step."""
+        return self.seconds.get("step", float("nan"))
+
+    @property
+    def communication_share(self) -> float:
+        """The share of the step spent communicating, checks and waits for cores included."""
+        s = self.seconds
+        return (s["communication"] + s["checks"]) / s["step"] if s else 0.0
+
+    def as_dict(self) -> dict:
+        """The prediction as plain data (for ``--json``)."""
+        return {"layout": self.text, "sizes": {"tp": self.layout.tp, "cp": self.layout.cp,
+                                                "dp": self.layout.dp},
+                "mode": self.layout.mode, "attention": self.layout.attention,
+                "zero": self.layout.zero, "recompute": self.layout.recompute,
+                "fits": self.fits, "reason": self.reason, "seconds": self.seconds,
+                "communication_share": self.communication_share if self.fits else None,
+                "messages": self.messages, "bytes_sent": self.bytes_sent, "calls": self.calls,
+                "checks": self.checks, "memory": self.memory}
+
+
+def work_seconds(work: Work, machine: Machine) -> float:
+    """Seconds of one piece of local work: the machine's fit for its kind, else its
+    roofline (the slower of its FLOPs and its bytes) and the overhead of one piece."""
+    fit = machine.kernels.get(work.kind)
+    if fit is not None:
+        return fit[0] + fit[1] * work.flops + fit[2] * work.bytes
+    return machine.op_overhead + max(work.flops / machine.flop_rate,
+                                     work.bytes / machine.memory_bandwidth)
+
+
+def _shared_cost(table: dict[str, float], factor: float) -> float:
+    """Seconds per synchronizing event with ``factor`` ranks per core: the measured cost at
+    the nearest factor not above it (the lowest measured one below all), scaled by
+    ``factor`` over it."""
+    if factor <= 1 or not table:
+        return 0.0
+    known = sorted((float(k), v) for k, v in table.items())
+    k, v = max((kv for kv in known if kv[0] <= factor), default=known[0])
+    return v * factor / k
+
+
+def predict(model: Model, layout: Layout, machine: Machine, node_size: int | None = None,
+            memory: float | None = None, world_rank: int = 0) -> Prediction:
+    """Predict one layout's step on ``machine``.
+
+    Parameters
+    ----------
+    model : Model
+    layout : Layout
+    machine : Machine
+    node_size : int, optional
+        Ranks per node (the machine's default, else every rank on one node).
+    memory : float, optional
+        Bytes per rank available (the machine's node memory shared by its ranks by default).
+    world_rank : int
+        The rank priced.
+    """
+    pred = Prediction(layout, describe(layout, model))
+    pred.reason = model.unfit(layout)
+    if pred.reason is not None:
+        pred.fits = False
+        return pred
+    ranks = layout.ranks
+    node = node_size or machine.node_size or ranks
+    on_node = min(ranks, node)
+    result = run_step(model, layout, world_rank)
+    env, site = result.env, result.env.site
+    pred.memory = result.memory
+    limit = machine.node_memory / on_node if memory is None else memory
+    if result.memory["total"] > limit:
+        pred.fits = False
+        pred.reason = (f"needs {result.memory['total'] / 2**20:.1f} MiB per rank, more than "
+                       f"{limit / 2**20:.1f} MiB")
+    factor = max(1.0, on_node / machine.cores)
+    mine = world_rank // node
+
+    def per_node(role: str) -> int:
+        return sum(1 for r in site.groups[role].ranks if r // node == mine)
+
+    compute = factor * sum(work_seconds(w, machine) for w in env.work)
+    comm = 0.0
+    for call in env.calls:
+        p, q = site.size(call.role), per_node(call.role)
+        if call.primitive == "ring_transfer":
+            t = costs.traffic("ring_transfer", p, q, max(call.bytes_in, call.bytes_out))
+            pred.messages += int(call.bytes_in > 0)
+            pred.bytes_sent += call.bytes_in
+        else:
+            whole = call.bytes_out if call.primitive == "all_gather" else call.bytes_in
+            t = costs.traffic(call.primitive, p, q, whole)
+            pred.messages += t.messages
+            pred.bytes_sent += t.nbytes
+        reduced = call.bytes_in if call.primitive in ("all_reduce", "reduce_scatter") else 0
+        comm += machine.call_overhead + costs.seconds(t, machine, reduced if p > 1 else 0)
+        if p > 1:
+            comm += _shared_cost(machine.shared, factor)
+    checks = sum(costs.check_seconds(c.kind, site.size(c.role), per_node(c.role), machine)
+                 + _shared_cost(machine.shared_check, factor) for c in env.checks)
+    pred.seconds = {"compute": compute, "communication": comm, "checks": checks,
+                    "step": compute + comm + checks}
+    pred.calls, pred.checks = len(env.calls), len(env.checks)
+    return pred
+
+
+def rank(model: Model, ranks: int, machine: Machine, node_size: int | None = None,
+         memory: float | None = None) -> tuple[list[Prediction], list[Prediction]]:
+    """Every layout of ``model`` on ``ranks`` ranks: those that fit, fastest first, and those
+    that do not, each with its reason."""
+    fitting, unfit = [], []
+    for layout in model.layouts(ranks):
+        pred = predict(model, layout, machine, node_size, memory)
+        (fitting if pred.fits else unfit).append(pred)
+    fitting.sort(key=lambda p: p.step)
+    return fitting, unfit
