@@ -12,7 +12,8 @@ emulated nodes (``mappings_2nodes.json``, ``mappings_2nodes_4.json``, ``halo_2no
 from, see :mod:`benchmarks.plot_sources`). The section of the mappings job is in
 :mod:`benchmarks.report_mappings`; those of the memory, attention and checkpoint jobs are in
 :mod:`benchmarks.report_features`, that of the FFT jobs in :mod:`benchmarks.report_fft`, the halo job's in
-:mod:`benchmarks.report_halo`, the pipeline job's in :mod:`benchmarks.report_pipeline`.
+:mod:`benchmarks.report_halo`, the pipeline job's in :mod:`benchmarks.report_pipeline`, the
+planner's (``plan.json``) in :mod:`benchmarks.report_plan`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:
 
 from benchmarks import plot_mappings, plot_sources  # noqa: E402
 from benchmarks import report_features, report_fft, report_halo, report_mappings  # noqa: E402
-from benchmarks import report_nodes, report_pipeline  # noqa: E402
+from benchmarks import report_nodes, report_pipeline, report_plan  # noqa: E402
 from benchmarks.report_format import load as _load  # noqa: E402
 from benchmarks.report_format import show_size  # noqa: E402
 from benchmarks.report_format import table as _table  # noqa: E402
@@ -346,6 +347,8 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
         lines += report_halo.section_halo(halo)
     if pipeline := _load(folder, "pipeline.json"):
         lines += report_pipeline.section_pipeline(pipeline)
+    if planned := _load(folder, "plan.json"):
+        lines += report_plan.section_plan(planned)
     across = [doc for name in ("mappings_2nodes", "mappings_2nodes_4")
               if (doc := _load(folder, f"{name}.json"))]
     halo_across = _load(folder, "halo_2nodes.json")

@@ -22,6 +22,8 @@ mappings_2nodes_4.json 4   the same on 4 ranks sharing the 2 cores, 2 ranks a no
 halo_2nodes.json    2      bench_halo.py across two emulated nodes
 mappings_ab.json    2      bench_mappings_ab.py: mappings of an earlier commit vs this tree
                            (only with ``--only mappings_ab``; it starts its own jobs)
+plan.json           1-8    bench_plan.py: the planner's predicted step times of the examples
+                           vs measured (only with ``--only plan``; it starts its own jobs)
 ==================  =====  =======================================================
 
 then writes ``results.md`` (tables) and PNG plots beside the JSON files
@@ -154,6 +156,15 @@ def plan(quick: bool) -> list[Job]:
         Job("pipeline", "bench_pipeline.py", 4, "pipeline.json", ["--repeats", "11"], 900),
         *_across_nodes(quick),
     ]
+
+
+def named_only(quick: bool) -> list[Job]:
+    """Jobs that run only when ``--only`` names them, beside :func:`plan`'s: ``plan``, the
+    examples under the planner's layouts on 1-8 ranks (about 10 minutes on 2 cores; it
+    starts its own jobs)."""
+    return [Job("plan", "bench_plan.py", 8, "plan.json",
+                ["--rounds", "1", "--steps", "20", "--extra", "0"] if quick else [], 2400,
+                True)]
 
 
 def _fft_jobs(args: list[str], timeout: float) -> list[Job]:
@@ -335,7 +346,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
                              "comm_volume_27, memory, attention, checkpoint, halo, "
                              "pipeline, and "
-                             "mappings_ab, which runs only when named); repeatable")
+                             "mappings_ab and plan, which run only when named); repeatable")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME",
                         help="skip this job; repeatable")
     parser.add_argument("--mpiexec", default=None, help="launcher (default: as scripts/mpirun.sh)")
@@ -351,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    jobs = plan(args.quick)
+    jobs = plan(args.quick) + named_only(args.quick)
     known = {job.name for job in jobs} | {"comm_volume_27"}
     for name in [*args.only, *args.skip]:
         if name not in known:

@@ -22,13 +22,13 @@ from dataclasses import fields
 from typing import Any
 
 from .machine import PRESETS, machine as find_machine
-from .models import Model
-from .predict import Prediction, predict, rank
-from .presets import PRESETS as MODELS
 
-__all__ = ["add_arguments", "run", "parse_bytes", "make_model", "table", "PROG"]
+__all__ = ["add_arguments", "run", "parse_bytes", "make_model", "table", "PROG", "MODELS"]
 
 PROG = "python -m pympar plan"
+#: The models ``--model`` names (:data:`pympar.plan.presets.PRESETS`; the options need no
+#: more than their names, so ``python -m pympar --help`` imports nothing heavier).
+MODELS = ("burgers", "fno")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
@@ -48,7 +48,7 @@ def parse_bytes(text: str) -> float:
     return float(found.group(1)) * _UNITS[unit]
 
 
-def make_model(name: str, config: list[str] | None = None) -> Model:
+def make_model(name: str, config: list[str] | None = None) -> Any:
     """The preset ``name`` with its example's flags changed by ``KEY=VALUE`` items.
 
     Raises
@@ -56,10 +56,11 @@ def make_model(name: str, config: list[str] | None = None) -> Model:
     ValueError
         For an unknown model or flag (the message lists the known ones).
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}: choose {' or '.join(MODELS)} (or plan any "
+    from .presets import PRESETS as classes
+    if name not in classes:
+        raise ValueError(f"unknown model {name!r}: choose {' or '.join(classes)} (or plan any "
                          f"chain of pympar layers with pympar.plan.ChainModel)")
-    cls = MODELS[name]
+    cls = classes[name]
     known = [f.name for f in fields(cls) if f.name not in ("name", "spatial_axis")]
     values: dict[str, Any] = {}
     for item in (part for entry in config or [] for part in entry.split(",") if part):
@@ -102,7 +103,7 @@ def _show_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def table(fitting: list[Prediction], unfit: list[Prediction]) -> str:
+def table(fitting: list[Any], unfit: list[Any]) -> str:
     """The ranking as aligned text: one line per layout that fits, then those that do not."""
     head = ("#", "layout", "step ms", "compute", "comm", "checks", "sent/step", "msgs",
             "memory/rank")
@@ -120,7 +121,7 @@ def table(fitting: list[Prediction], unfit: list[Prediction]) -> str:
     return "\n".join(lines)
 
 
-def _nearby(model: Model, ranks: int) -> str:
+def _nearby(model: Any, ranks: int) -> str:
     """Rank counts near ``ranks`` that some layout of ``model`` takes."""
     def fits(n: int) -> bool:
         return any(model.unfit(layout) is None for layout in model.layouts(n))
@@ -129,7 +130,7 @@ def _nearby(model: Model, ranks: int) -> str:
     return " or ".join(str(n) for n in (below, above) if n is not None) or "none near"
 
 
-def _no_fit(model: Model, ranks: int, unfit: list[Prediction]) -> str:
+def _no_fit(model: Any, ranks: int, unfit: list[Any]) -> str:
     """The one line said when nothing fits: what would."""
     memory = [p for p in unfit if p.memory]
     if memory:
@@ -142,8 +143,9 @@ def _no_fit(model: Model, ranks: int, unfit: list[Prediction]) -> str:
             f"{_nearby(model, ranks)} ranks would")
 
 
-def _plot(model: Model, best: list[Prediction], ranks: int, machine: Any, node: int | None,
+def _plot(model: Any, best: list[Any], ranks: int, machine: Any, node: int | None,
           memory: float | None, path: str) -> None:
+    from .predict import predict
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--node-size must be >= 1")
         where = find_machine(args.machine)
         memory = None if args.memory is None else parse_bytes(args.memory)
+        from .predict import rank
         fitting, unfit = rank(model, args.ranks, where, args.node_size, memory)
         if not fitting:
             raise ValueError(_no_fit(model, args.ranks, unfit))

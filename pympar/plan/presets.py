@@ -137,6 +137,13 @@ class BurgersModel(Model):
                 return f"Linear3D needs hidden >= depth**2 = {d * d}"
         if self.hidden % self.heads:
             return f"hidden {self.hidden} is not divisible by heads {self.heads}"
+        if layout.mode == "1d" and layout.tp > 4 * self.hidden:
+            return f"tp {layout.tp} leaves ranks without MLP features (4 * hidden = " \
+                   f"{4 * self.hidden})"
+        ulysses = {"ulysses": layout.cp, "ring": 1}.get(layout.attention, ulysses_size(layout))
+        if ulysses > self.heads:
+            return f"Ulysses groups of {ulysses} ranks leave ranks without heads " \
+                   f"({self.heads} heads)"
         if self.batch < layout.dp:
             return f"batch {self.batch} is smaller than dp {layout.dp}"
         if self.grid < layout.cp:
