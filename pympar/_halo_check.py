@@ -9,10 +9,15 @@ with each other.
 
 A rank that raises may still owe faces to neighbours that agreed with it and are about to
 exchange, and those owe it theirs. It *poisons* them instead: it receives their faces into
-scratch and sends each a message one element longer than the face it expects, which MPI
-refuses (``MPI_ERR_TRUNCATE``) where the face should land. A rank whose exchange meets such
-an error poisons its own remaining messages in the same way and raises
-:class:`~pympar.errors.PeerEndedError`: its ghosts are incomplete. So no rank waits for a
+scratch and sends each an empty message where a face was due. The receive completes, with
+fewer elements than its face, which the exchange reads in the receive's status
+(:class:`~pympar._halo_plan.Receipt`): a message shorter than the receive is valid MPI,
+where a longer one (``MPI_ERR_TRUNCATE``) is an error whose handling MPIs differ on (Open
+MPI 4.1 completes a persistent receive in error silently in ``Testall``, and its
+``Waitall`` may never return). A rank whose exchange meets a short face poisons its own
+remaining messages in the same way and raises :class:`~pympar.errors.PeerEndedError`: its
+ghosts are incomplete. An empty face (a zero width) cannot tell poison from data, and needs
+no telling: nothing was due there. So no rank waits for a
 face that does not come, and no rank keeps ghosts that a failure left wrong; a rank that
 finished its messages before any poison reached it got only good faces.
 """
@@ -32,9 +37,14 @@ from ._halo_plan import DOWN, UP, Axis, Plan, count
 from ._neighbours import REPORT_TAG
 from .errors import CollectiveMismatchError, PeerEndedError, wait, where, yield_core
 
-__all__ = ["check", "units", "poisoned", "settle"]
+__all__ = ["check", "units", "poisoned", "settle", "Poison"]
+
+
+class Poison(Exception):
+    """A face came short: the neighbour that owed it failed and sent poison instead."""
 
 _REPORT_BYTES = 512
+_EMPTY = np.zeros(1, np.uint8)  # the buffer of the empty messages sent as poison
 
 
 def check(checks: list, sig: int, shown: str, name: str | None, plan: Plan | None,
@@ -79,8 +89,8 @@ def units(plan: Plan, direction: str) -> list[tuple[Axis, int]]:
 
 def poisoned(plan: Plan, direction: str, done: int, error: Exception,
              started: list[MPI.Request]) -> None:
-    """After an MPI error in message unit ``done - 1`` of the call (a neighbour's poison)
-    whose requests are ``started``: complete those (an MPI may return from the wait at the
+    """After a short face (a neighbour's poison) or an MPI error in message unit ``done - 1``
+    of the call, whose requests are ``started``: complete those (an MPI may return from the wait at the
     first error), poison every later unit, then raise
     :class:`~pympar.errors.PeerEndedError`."""
     settle(started)
@@ -97,19 +107,22 @@ def _peer(ax: Axis, tag: int, kind: str) -> int:
 
 
 def _poison(plan: Plan, messages: list[tuple[Axis, int, str]]) -> None:
-    """Post ``messages`` (each a unit's send or receive) as poison, and complete them."""
+    """Post ``messages`` (each a unit's send or receive) as poison, and complete them: an
+    empty message for each send, scratch for each receive."""
     requests, scratch = [], []
     for ax, tag, kind in messages:
         peer = _peer(ax, tag, kind)
         if peer == MPI.PROC_NULL:
             continue
-        # Longer than any face of the axis: the receiver expects at most the larger one.
-        n = max(count(ax.send_up, plan.shape), count(ax.send_down, plan.shape)) + 1
+        if kind == "send":
+            requests.append(ax.comm.Isend([_EMPTY, 0, plan.mpi_type], peer, tag))
+            continue
+        # As large as any face of the axis, either way.
+        n = max(count(getattr(ax, name), plan.shape)
+                for name in ("send_up", "send_down", "recv_lo", "recv_hi"))
         buf = np.zeros(n * plan.mpi_type.Get_size(), np.uint8)
         scratch.append(buf)
-        message = [buf, n, plan.mpi_type]
-        requests.append(ax.comm.Isend(message, peer, tag) if kind == "send" else
-                        ax.comm.Irecv(message, peer, tag))
+        requests.append(ax.comm.Irecv([buf, n, plan.mpi_type], peer, tag))
     settle(requests)
 
 

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from . import backend
 
-__all__ = ["UP", "DOWN", "FACES", "Axis", "Plan", "widths", "count"]
+__all__ = ["UP", "DOWN", "FACES", "Axis", "Plan", "Receipt", "widths", "count"]
 
 UP, DOWN = 41, 42  # message tags: faces travelling to the upper and the lower neighbour
 FACES = ("auto", "subarray", "packed")
@@ -113,6 +113,26 @@ class Axis:
         self.lo, self.hi = lo, hi
 
 
+class Receipt:
+    """The statuses of one axis's requests, and what each receive must bring: a receive that
+    brings fewer elements than its face got a neighbour's poison (:mod:`pympar._halo_check`:
+    an empty message, where a face was due), which no MPI reports as an error."""
+
+    __slots__ = ("statuses", "receives")
+
+    def __init__(self, requests: int, receives: list[tuple[int, MPI.Datatype, int]]) -> None:
+        self.statuses = [MPI.Status() for _ in range(requests)]
+        # (status, the receive's datatype, the basic elements its face brings)
+        self.receives = [(self.statuses[i], datatype, n) for i, datatype, n in receives]
+
+    def short(self) -> bool:
+        """Whether some receive brought fewer elements than its face (after the wait)."""
+        for status, datatype, n in self.receives:
+            if status.Get_elements(datatype) != n:
+                return True
+        return False
+
+
 class _Program:
     """One padded array's exchange (see :meth:`Plan.program`): ``ops``, ``spans``,
     ``persistent``, and ``watch``, a weak reference to the array, whose death releases it."""
@@ -128,7 +148,7 @@ class _Program:
 
 def _release(program: _Program) -> None:
     """Free a program's requests (not after MPI has finalized: they went with it; nor those
-    an MPI made null when they failed, as Open MPI 4.1 does)."""
+    an MPI made null when they failed)."""
     if not MPI.Is_finalized():
         for requests in program.persistent:
             for req in requests:
@@ -288,7 +308,7 @@ class Plan:
         self.signatures: dict[str | None, int] = {}  # the agreement key's, per label
         # The programs (see program()), by padded array (its id: an array that goes takes
         # its program with it), and the current one's lists: ops, a flat list of
-        # (requests, None), started and waited for, and (dst, src), copied; spans, per axis
+        # (requests, Receipt), started and waited for, and (dst, src), copied; spans, per axis
         # (axis, start, stop) in ops; persistent, the request lists, one per axis with a
         # comm. requests_on: the array of the current program.
         self.programs: dict[int, _Program] = {}
@@ -355,14 +375,16 @@ class Plan:
 
     def _build_messages(self, ax: Axis, memory: np.ndarray, program: _Program) -> None:
         """An axis's four persistent requests (both receives, then both sends; none with
-        ``MPI.PROC_NULL``), after the packing copies of its send faces and before the
-        unpacking copies of its receive faces."""
-        receives, sends, packing, unpacking = [], [], [], []
+        ``MPI.PROC_NULL``) and their :class:`Receipt`, after the packing copies of its send
+        faces and before the unpacking copies of its receive faces."""
+        receives, sends, packing, unpacking, expected = [], [], [], [], []
         for send, dest, tag, recv, source in (("send_up", ax.upper, UP, "recv_lo", ax.lower),
                                               ("send_down", ax.lower, DOWN, "recv_hi",
                                                ax.upper)):
             if source != MPI.PROC_NULL:
                 message, copy = self._face(ax, recv, memory)
+                expected.append((len(receives), message[-1],
+                                 count(getattr(ax, recv), self.shape)))
                 receives.append(ax.comm.Recv_init(message, source, tag))
                 if copy is not None:
                     unpacking.append(copy)
@@ -373,7 +395,7 @@ class Plan:
                     packing.append(copy[::-1])
         requests = receives + sends
         program.persistent.append(requests)
-        program.ops += packing + [(requests, None)] + unpacking
+        program.ops += packing + [(requests, Receipt(len(requests), expected))] + unpacking
 
     def _face(self, ax: Axis, name: str, memory: np.ndarray) -> tuple[Any, Any]:
         """Region ``name`` of ``ax`` as its request takes it, and the copy ``(region,

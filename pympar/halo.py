@@ -65,7 +65,8 @@ from mpi4py import MPI
 
 from . import _agreement, _halo_check, backend, debug, stats
 from ._board import REFUSED
-from ._halo_plan import DOWN, FACES, UP, Axis, Plan, widths
+from ._halo_check import Poison
+from ._halo_plan import DOWN, FACES, UP, Axis, Plan, Receipt, widths
 from ._neighbours import NeighbourBoard
 from ._plans import signature
 from .decomposition import Decomposition, agree_all
@@ -84,18 +85,20 @@ def _account(ax: Axis, operation: str, start: float) -> None:
 
 def _run(plan: Plan, ops: list[tuple[Any, Any]]) -> None:
     """Run (part of) an exchange's program (:meth:`Plan.program`): start and wait for each
-    axis's requests, make each copy. An MPI error is a neighbour's poison: complete the
-    failed requests, poison the later messages, raise
+    axis's requests, make each copy. A face that came short is a neighbour's poison (an MPI
+    error is taken as one too): complete the requests, poison the later messages, raise
     :class:`~pympar.errors.PeerEndedError`."""
     first = None
     try:
         for first, second in ops:
-            if second is None:
+            if type(second) is Receipt:
                 _startall(first)
-                _waitall(first)
+                _waitall(first, second.statuses)
+                if second.short():
+                    raise Poison("a neighbour sent no face")
             else:
                 _copyto(first, second)
-    except MPI.Exception as err:
+    except (MPI.Exception, Poison) as err:
         _poisoned(plan, first, err)
 
 
@@ -109,14 +112,19 @@ def _poisoned(plan: Plan, requests: list[MPI.Prequest], error: Exception) -> Non
         plan.drop()
 
 
-def _settled(requests: list[MPI.Request]) -> None:
-    """Wait for ``requests``; on an MPI error (a neighbour's poison) complete every one of
-    them before raising it (an MPI may return from the wait at the first error)."""
+def _settled(requests: list[MPI.Request], datatype: MPI.Datatype, face: int) -> None:
+    """Wait for ``requests``, a receive of ``face`` elements of ``datatype`` first; raise
+    :class:`~pympar._halo_check.Poison` when it brought fewer (a neighbour's poison). On an
+    MPI error complete every one of them before raising it (an MPI may return from the wait
+    at the first error)."""
+    status = MPI.Status()
     try:
-        _waitall(requests)
+        _waitall(requests, [status, MPI.Status()])
     except MPI.Exception:
         _halo_check.settle(requests)
         raise
+    if status.Get_source() != MPI.PROC_NULL and status.Get_elements(datatype) < face:
+        raise Poison("a neighbour sent no face")
 
 
 class HaloExchange:
@@ -440,7 +448,7 @@ class HaloExchange:
                            DOWN, False)
                 if recording:
                     _account(ax, "halo.exchange", start)
-        except MPI.Exception as err:  # a neighbour's poison: it failed
+        except (MPI.Exception, Poison) as err:  # a neighbour's poison: it failed
             _halo_check.poisoned(plan, "exchange", done, err, [])
 
     def _adjoint(self, plan: Plan, padded: Any) -> None:
@@ -458,7 +466,7 @@ class HaloExchange:
                            True)
                 if recording:
                     _account(ax, "halo.adjoint", start)
-        except MPI.Exception as err:  # a neighbour's poison: it failed
+        except (MPI.Exception, Poison) as err:  # a neighbour's poison: it failed
             _halo_check.poisoned(plan, "adjoint", done, err, [])
 
     def _move(self, plan: Plan, ax: Axis, padded: Any, sending: str, receiving: str,
@@ -477,14 +485,16 @@ class HaloExchange:
         if plan.numpy and not plan.packs[ax.axis, sending]:
             # (the adjoint) send in place, receive whole to add
             _settled([comm.Irecv([incoming, plan.mpi_type], source, tag),
-                      comm.Isend([padded, 1, plan.datatype(ax, sending)], dest, tag)])
+                      comm.Isend([padded, 1, plan.datatype(ax, sending)], dest, tag)],
+                     plan.mpi_type, incoming.size)
         else:
             outgoing = plan.buffer(ax, sending)
             outgoing[...] = padded[send]
             wire_send, wire_recv = ((outgoing, incoming) if plan.numpy
                                     else backend.to_wire(outgoing, incoming))
             _settled([comm.Irecv([wire_recv, plan.mpi_type], source, tag),
-                      comm.Isend([wire_send, plan.mpi_type], dest, tag)])
+                      comm.Isend([wire_send, plan.mpi_type], dest, tag)],
+                     plan.mpi_type, incoming.size)
             if not plan.numpy:
                 backend.from_wire(incoming, wire_recv)
         if source == MPI.PROC_NULL:
