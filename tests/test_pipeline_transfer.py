@@ -187,6 +187,34 @@ def test_a_stage_that_ends_early_raises_everywhere(pp, watchdog):
 
 
 @needs_two
+def test_what_a_stage_sent_before_it_failed_arrives_first(pp, watchdog):
+    """The first stage sends a large activation (a message MPI moves by rendezvous) and
+    fails before the next stage has posted its receive: that stage still receives the
+    activation as sent, then raises PeerEndedError at its next receive, whatever order the
+    activation and the abort reach it in."""
+    transfer = StageTransfer(pp)
+    pipe = transfer.pipeline
+    sent = np.random.default_rng(3).standard_normal((512, 512))
+    outcome = "ok"
+    if pipe.is_first:
+        transfer.send_forward(sent, 0)
+        transfer.abort(ValueError("boom after micro-batch 0"))
+    elif pipe.rank == 1:
+        time.sleep(0.3)  # both messages are there, or on their way, before it asks
+        got = transfer.recv_forward(0)
+        outcome = "ok" if np.array_equal(got, sent) else "micro-batch 0 arrived wrong"
+        try:
+            transfer.recv_forward(1)
+            outcome = "micro-batch 1 arrived from a stage that failed"
+        except PeerEndedError as err:
+            if "boom after micro-batch 0" not in str(err):
+                outcome = f"PeerEndedError without the cause: {err}"
+    agree(outcome == "ok", f"stage {pipe.rank}: {outcome}")
+    pp.comm.Barrier()
+    transfer.free()
+
+
+@needs_two
 def test_a_refused_argument_raises_everywhere(pp, watchdog):
     """The last stage sends forward (it has no next stage): it raises ValueError, the
     others the mismatch naming its refusal."""

@@ -76,18 +76,20 @@ def read_header(words: np.ndarray) -> dict[str, Any]:
     return fields
 
 
-def abort_message(kind: int, text: str) -> np.ndarray:
-    """An abort: its kind, then the error in words."""
+def abort_message(kind: int, text: str, units: int) -> np.ndarray:
+    """An abort: its kind, the ``units`` (arrays and ends of calls) its sender had sent to
+    the neighbour it goes to, then the error in words."""
     message = np.zeros(ABORT_BYTES, np.uint8)
     message[0] = kind
-    data = text.encode("utf-8", "replace")[:ABORT_BYTES - 1]
-    message[1:1 + len(data)] = np.frombuffer(data, np.uint8)
+    message[1:9] = np.frombuffer(np.uint64(units).tobytes(), np.uint8)
+    data = text.encode("utf-8", "replace")[:ABORT_BYTES - 9]
+    message[9:9 + len(data)] = np.frombuffer(data, np.uint8)
     return message
 
 
-def read_abort(message: np.ndarray) -> tuple[int, str]:
-    """An abort's kind and text."""
-    return int(message[0]), _text(message[1:])
+def read_abort(message: np.ndarray) -> tuple[int, str, int]:
+    """An abort's kind, text and units sent before it."""
+    return int(message[0]), _text(message[9:]), int(message[1:9].view(np.uint64)[0])
 
 
 def _text(raw: np.ndarray) -> str:

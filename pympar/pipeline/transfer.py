@@ -18,7 +18,11 @@ learns that it ended early.
 Whatever fails (the neighbours' calls differ, a stage's own error, a timeout of the
 watchdog, the end of a stage's program) the stage that sees it first sends its neighbours an
 abort, which every wait listens for; they raise and pass it on, so every stage of the
-pipeline raises within the watchdog: :class:`~pympar.errors.CollectiveMismatchError` when
+pipeline raises within the watchdog. An abort says how many arrays (and ends of calls) its
+sender had sent before it: a neighbour takes those first, as sent, whatever order the
+messages arrive in, so that where it raises does not depend on the timing (stages of
+several pipelines that meet in one tensor-parallel call all stop at the same micro-batch).
+The errors: :class:`~pympar.errors.CollectiveMismatchError` when
 calls differ (and beside a stage that refused its arguments),
 :class:`~pympar.errors.PeerEndedError` when a stage ended, a
 :class:`~pympar.errors.CollectiveTimeoutError` where a wait ran out. A transfer that failed
@@ -83,6 +87,11 @@ class StageTransfer:
         self._signatures: dict[tuple, tuple[int, str]] = {}
         self._listening: list[tuple[int, np.ndarray, MPI.Request]] = []
         self._told: list[Any] = []  # aborts sent, alive until MPI has them
+        # Per neighbour, the units (arrays, ends of calls) sent to it and received from it,
+        # and an abort that came while units it had sent before were still to be received.
+        self._units_sent = dict.fromkeys(self._neighbours(), 0)
+        self._units_received = dict.fromkeys(self._neighbours(), 0)
+        self._held: dict[int, np.ndarray] = {}
         self.comm = None
         if group.size > 1:
             if group.comm == MPI.COMM_NULL:
@@ -161,25 +170,28 @@ class StageTransfer:
         pipe, what = self.pipeline, f"{shown} (StageTransfer.finish)"
         mine = _wire.header(_wire.DONE, sig, -1, shown)
         if pipe.is_first:
-            self._sends.append((self.comm.Isend(mine, pipe.next_rank, _wire.FORWARD_HEADER),
-                                mine))
+            self._unit(mine, pipe.next_rank, _wire.FORWARD_HEADER)
         if not pipe.is_last:  # every later stage has ended well
             self._done(pipe.next_rank, _wire.BACKWARD_HEADER, sig, shown, what)
         if not pipe.is_first:
-            self._sends.append((self.comm.Isend(mine, pipe.prev_rank, _wire.BACKWARD_HEADER),
-                                mine))
+            self._unit(mine, pipe.prev_rank, _wire.BACKWARD_HEADER)
             self._done(pipe.prev_rank, _wire.FORWARD_HEADER, sig, shown, what)  # earlier too
             if not pipe.is_last:
-                self._sends.append((self.comm.Isend(mine, pipe.next_rank,
-                                                    _wire.FORWARD_HEADER), mine))
+                self._unit(mine, pipe.next_rank, _wire.FORWARD_HEADER)
         self._wait([r for r, _ in self._sends], f"{shown} (the sends)", self._neighbours())
         self._sends.clear()
         self._sent.clear()
 
+    def _unit(self, head: np.ndarray, peer: int, tag: int) -> None:
+        """Send ``head``, the end of this call, to ``peer`` (one unit)."""
+        self._sends.append((self.comm.Isend(head, peer, tag), head))
+        self._units_sent[peer] += 1
+
     def _done(self, peer: int, tag: int, sig: int, shown: str, what: str) -> None:
         """Receive ``peer``'s end of the call; a mismatch when it is data or another call."""
         words = _wire.empty_header()
-        self._wait([self.comm.Irecv(words, peer, tag)], what, [peer])
+        self._wait([self.comm.Irecv(words, peer, tag)], what, [peer], unit_from=peer)
+        self._units_received[peer] += 1
         theirs = _wire.read_header(words)
         if theirs["kind"] != _wire.DONE or theirs["sig"] != sig:
             said = (f"sent micro-batch {theirs['micro_batch']} of {theirs['shown']}"
@@ -290,6 +302,7 @@ class StageTransfer:
         header_tag, data_tag = _wire.TAGS[direction]
         self._sends.append((self.comm.Isend(head, peer, header_tag), head))
         self._sends.append((self.comm.Isend([_wire.raw(data), datatype], peer, data_tag), data))
+        self._units_sent[peer] += 1
         if direction == "forward":
             self._sent[micro_batch] = (tuple(x.shape), x.dtype)
         self._sends = [(r, keep) for r, keep in self._sends if not r.Test()]
@@ -302,7 +315,7 @@ class StageTransfer:
         start = time.perf_counter()
         header_tag, data_tag = _wire.TAGS[direction]
         words = _wire.empty_header()
-        self._wait([self.comm.Irecv(words, peer, header_tag)], what, [peer])
+        self._wait([self.comm.Irecv(words, peer, header_tag)], what, [peer], unit_from=peer)
         theirs = _wire.read_header(words)
         group = self.pipeline.group
         if theirs["kind"] != _wire.DATA:
@@ -324,17 +337,23 @@ class StageTransfer:
         out, wire = _wire.incoming(shape, dtype, xp)
         self._wait([self.comm.Irecv([_wire.raw(wire), backend.mpi_datatype(dtype)], peer,
                                     data_tag)],
-                   what, [peer])
+                   what, [peer], unit_from=peer)
+        self._units_received[peer] += 1
         out = _wire.arrived(out, wire)
         if stats.is_recording():
             stats.add(self.pipeline.name, f"pipeline.recv_{direction}", 0, out.nbytes,
                       time.perf_counter() - start)
         return out
 
-    def _wait(self, requests: list[MPI.Request], what: str, peers: list[int]) -> None:
-        """Complete ``requests`` (waiting on ``peers``), listening for the neighbours'
-        aborts and completing pending sends meanwhile; the watchdog's timeout raises."""
+    def _wait(self, requests: list[MPI.Request], what: str, peers: list[int],
+              unit_from: int | None = None) -> None:
+        """Complete ``requests`` (waiting on ``peers``; a unit from ``unit_from``), listening
+        for the neighbours' aborts and completing pending sends meanwhile; the watchdog's
+        timeout raises. An abort from ``unit_from`` that came after this unit was sent waits
+        until the unit is in (it raises at the next wait on that neighbour)."""
         test = MPI.Request.Testall
+        for peer in [p for p in self._held if p != unit_from or not self._owed(p)]:
+            self._aborted(peer, self._held.pop(peer))
         for _ in range(errors.SPINS):  # a message already there: as fast as a Wait
             if test(requests):
                 return
@@ -344,8 +363,10 @@ class StageTransfer:
         yielding, delay = start + 0.01, 1e-5
         while not test(requests):
             for peer, buf, request in self._listening:
-                if request.Test():
-                    self._aborted(peer, buf)
+                if peer not in self._held and request.Test():
+                    self._held[peer] = buf
+                    if peer != unit_from or not self._owed(peer):
+                        self._aborted(peer, self._held.pop(peer))
             if self._sends:
                 self._sends = [(r, k) for r, k in self._sends if not r.Test()]
             now = time.monotonic()
@@ -360,16 +381,19 @@ class StageTransfer:
             else:
                 delay = errors.doze(delay, now - start)
 
+    def _owed(self, peer: int) -> bool:
+        """Whether ``peer``'s held abort came after units not yet received here."""
+        return _wire.read_abort(self._held[peer])[2] > self._units_received[peer]
+
     def _tell(self, kind: int, text: str, exclude: int | None = None) -> None:
         """Send every neighbour but ``exclude`` an abort (not waited for: the neighbours'
         listeners are posted since the transfer was made)."""
         if self.comm is None:
             return
-        message = _wire.abort_message(kind, text)
-        self._told.append(message)
         for peer in self._neighbours():
             if peer != exclude:
-                self._told.append(self.comm.Isend(message, peer, _wire.ABORT))
+                message = _wire.abort_message(kind, text, self._units_sent[peer])
+                self._told += [message, self.comm.Isend(message, peer, _wire.ABORT)]
 
     def _mismatch(self, peer: int, text: str) -> None:
         """Raise the mismatch with ``peer`` here, after telling every neighbour."""
@@ -383,7 +407,7 @@ class StageTransfer:
 
     def _aborted(self, peer: int, buf: np.ndarray) -> None:
         """A neighbour's abort arrived: pass it on to the other neighbour and raise it."""
-        kind, text = _wire.read_abort(buf)
+        kind, text, _ = _wire.read_abort(buf)
         group = self.pipeline.group
         heard = f"{self._me()} heard it from {where(group, peer)}"
         if kind == _wire.MISMATCH:
