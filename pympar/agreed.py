@@ -528,6 +528,7 @@ MODULES_OUTSIDE = {
     "pympar.memory": _NOTHING,
     "pympar.preemption": "should_stop agrees its verdict over the world",
     "pympar.launch": "command lines: starts a job, before any group",
+    "pympar.plan": "predictions, made without MPI; its calibration is a job of its own",
 }
 
 

@@ -64,7 +64,7 @@ def test_info_bad_layout_exits_2_on_every_rank_and_rank_0_says_why_once(capsys):
     (["info", "--bogus"], "python -m pympar info: error: unrecognized arguments: --bogus"),
     (["info", "--tp", "x"], "python -m pympar info: error: argument --tp: invalid int value"),
     (["bench", "--bogus"], "python -m pympar bench: error: unrecognized arguments: --bogus"),
-    (["nope"], "python -m pympar: error: argument {info,bench}: invalid choice: 'nope'"),
+    (["nope"], "python -m pympar: error: argument {info,bench,plan}: invalid choice: 'nope'"),
 ])
 def test_flag_errors_show_the_subcommands_usage_once(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
