@@ -15,9 +15,9 @@ from mpi_helpers import WORLD
 from pympar.plan import costs
 from pympar.plan.kernels import fit
 from pympar.plan.ledger import canonical
-from pympar.plan.machine import PRESETS, Link, Machine, machine
+from pympar.plan.machines import PRESETS, Link, Machine, machine
 from pympar.plan.models import Layout, run_step
-from pympar.plan.predict import predict, rank, work_seconds
+from pympar.plan.ranking import predict, rank, work_seconds
 from pympar.plan.presets import BurgersModel, FNOModel
 from pympar.plan.program import Work
 

@@ -4,7 +4,7 @@ Without a launcher it measures the local work on one rank (:mod:`pympar.plan.ker
 then starts short ``mpiexec`` jobs of this module on 2 ranks (one per core: the links, pympar's
 time per call and per check) and on 4 and 8 ranks (ranks sharing the cores: what each
 synchronizing call costs on top), and writes everything as a
-:class:`~pympar.plan.machine.Machine` (``pympar/plan/this_machine.json`` by default). About a
+:class:`~pympar.plan.machines.Machine` (``pympar/plan/this_machine.json`` by default). About a
 minute on two cores. Under ``mpiexec`` it is one of those jobs (``--part comm``).
 """
 
@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .machine import THIS_FILE, Link, Machine
+from .machines import THIS_FILE, Link, Machine
 
 __all__ = ["calibrate", "measure_links", "main"]
 

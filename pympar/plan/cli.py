@@ -21,7 +21,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from .machine import PRESETS, machine as find_machine
+from .machines import PRESETS, machine as find_machine
 
 __all__ = ["add_arguments", "run", "parse_bytes", "make_model", "table", "PROG", "MODELS"]
 
@@ -104,9 +104,10 @@ def _show_bytes(n: float) -> str:
 
 
 def table(fitting: list[Any], unfit: list[Any]) -> str:
-    """The ranking as aligned text: one line per layout that fits, then those that do not."""
-    head = ("#", "layout", "step ms", "compute", "comm", "checks", "sent/step", "msgs",
-            "memory/rank")
+    """The ranking as aligned text: one line per layout that fits (step and compute in
+    milliseconds, the shares of communication and of checks, bytes sent and messages per
+    step, memory per rank), then the layouts that do not fit under their reasons."""
+    head = ("#", "layout", "step ms", "compute", "comm", "checks", "sent", "msgs", "memory")
     body = [(str(i), p.text, f"{p.step * 1e3:.3f}", f"{p.seconds['compute'] * 1e3:.3f}",
              f"{100 * p.communication_share:.0f}%",
              f"{100 * p.seconds['checks'] / p.step:.1f}%", _show_bytes(p.bytes_sent),
@@ -116,8 +117,12 @@ def table(fitting: list[Any], unfit: list[Any]) -> str:
                        for i, (c, w) in enumerate(zip(row, widths))) for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if unfit:
-        lines.append(f"does not fit ({len(unfit)}):")
-        lines += [f"  {p.text}: {p.reason}" for p in unfit]
+        lines.append(f"{len(unfit)} do not fit:")
+        reasons: dict[str, list[str]] = {}
+        for p in unfit:
+            reasons.setdefault(p.reason or "", []).append(p.text)
+        for reason, texts in reasons.items():
+            lines += [f"  {reason}:", *(f"    {text}" for text in texts)]
     return "\n".join(lines)
 
 
@@ -145,7 +150,7 @@ def _no_fit(model: Any, ranks: int, unfit: list[Any]) -> str:
 
 def _plot(model: Any, best: list[Any], ranks: int, machine: Any, node: int | None,
           memory: float | None, path: str) -> None:
-    from .predict import predict
+    from .ranking import predict
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -184,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--node-size must be >= 1")
         where = find_machine(args.machine)
         memory = None if args.memory is None else parse_bytes(args.memory)
-        from .predict import rank
+        from .ranking import rank
         fitting, unfit = rank(model, args.ranks, where, args.node_size, memory)
         if not fitting:
             raise ValueError(_no_fit(model, args.ranks, unfit))
@@ -195,8 +200,10 @@ def run(args: argparse.Namespace) -> int:
                               "fitting": [p.as_dict() for p in shown],
                               "unfit": [p.as_dict() for p in unfit]}, indent=1))
         else:
-            print(f"{model.name} on {args.ranks} ranks, machine {where.name} "
-                  f"({where.description}); {len(fitting)} layouts fit, fastest first")
+            print(f"{model.name} on {args.ranks} ranks, machine {where.name}: "
+                  f"{where.description}")
+            print(f"{len(fitting)} layouts fit, fastest first (times per step, shares of "
+                  f"the step, per rank)")
             print(table(shown, unfit))
         if args.plot:
             _plot(model, fitting[:3], args.ranks, where, args.node_size, memory, args.plot)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .machine import Machine
+from .machines import Machine
 
 __all__ = ["Traffic", "algorithm", "traffic", "seconds", "check_seconds", "checkpoint_seconds",
            "SHORT_ALLREDUCE", "LONG_ALLGATHER", "SHORT_ALLTOALL_BLOCK"]

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import training
 from .layers import GELU, Layer, LayerNorm, Linear, Param, Recompute, Sequential
-from .models import Layout, Model, memory_of, my_share, transformer_site, ulysses_size
+from .models import Layout, Model, memory_of, my_share, transformer_site, transformer_unfit
 from .parallel_layers import ColumnParallelLinear, ContextAttention, RowParallelLinear
 from .ledger import Site
 from .program import Env
@@ -126,13 +126,7 @@ class ChainModel(Model):
     def unfit(self, layout: Layout) -> str | None:
         if layout.mode != "1d" or layout.recompute:
             return "a chain is planned in 1d tensor parallelism, without recompute wrappers"
-        if self.batch < layout.dp:
-            return f"batch {self.batch} is smaller than dp {layout.dp}"
-        if self.sequence < layout.cp:
-            return f"sequence {self.sequence} is shorter than cp {layout.cp}"
-        if layout.attention == "hybrid" and layout.cp % ulysses_size(layout):
-            return f"ulysses size {ulysses_size(layout)} does not divide cp {layout.cp}"
-        return None
+        return transformer_unfit(layout, self.batch, self.sequence)
 
     def step(self, env: Env, layout: Layout) -> list[Param]:
         params = list(self.network.parameters(env))

@@ -12,18 +12,17 @@ FLOPs and the bytes of their operands.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .program import Array, Env
+from .program import Array, Env, Sized
 
 __all__ = ["Param", "Layer", "Linear", "LayerNorm", "GELU", "Sequential", "Recompute",
            "matmul_work"]
 
 
 @dataclass(frozen=True)
-class Param:
+class Param(Sized):
     """One parameter on one rank.
 
     Attributes
@@ -43,16 +42,6 @@ class Param:
     shape: tuple[int, ...]
     itemsize: int
     split: bool = False
-
-    @property
-    def size(self) -> int:
-        """Elements on this rank."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on this rank."""
-        return self.size * self.itemsize
 
 
 def matmul_work(env: Env, kind: str, m: int, k: int, n: int, passes: int = 1) -> None:

@@ -10,17 +10,19 @@ in parentheses and brackets) is left out, the operation kept.
 
 :class:`Site` places one rank in a layout: its coordinates on the mesh and, for every group
 role (``"tp"``, ``"dp-cp"``, ``"ulysses"``, ...), the group's size, this rank's position and the
-group's name as :class:`pympar.mesh.Mesh` names it. Only rank arithmetic
-(:func:`pympar.mesh.group_ranks`), no communicator.
+group's name as :class:`pympar.mesh.Mesh` names it. Only rank arithmetic, no communicator.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ..mesh import group_ranks
+import numpy as np
+
+from ..mesh import parse_order
 
 __all__ = ["Call", "GroupAt", "Site", "canonical", "rows", "PRIMITIVES"]
 
@@ -103,6 +105,10 @@ def mesh_group(sizes: Mapping[str, int], order: str, world_rank: int, axes: tupl
                key: str | None = None) -> GroupAt:
     """The group along ``axes`` that holds ``world_rank`` (named with ``key`` or the axes).
 
+    The members are :func:`pympar.mesh.group_ranks`' row of ``world_rank``, found without
+    building the whole table: the ranks that share its coordinates off ``axes``, ascending
+    (the mesh order, innermost fastest).
+
     Parameters
     ----------
     sizes, order
@@ -114,13 +120,22 @@ def mesh_group(sizes: Mapping[str, int], order: str, world_rank: int, axes: tupl
     key : str, optional
         The name's prefix; the axes joined by ``-`` by default.
     """
-    table = group_ranks(sizes, order, *axes).tolist()
-    for members in table:
-        if world_rank in members:
-            prefix = key or "-".join(axes) or "self"
-            return GroupAt("-".join([prefix, *map(str, members)]), len(members),
-                           members.index(world_rank), tuple(members))
-    raise ValueError(f"rank {world_rank} is not in the mesh {dict(sizes)}")
+    mesh_axes = parse_order(order, sizes)
+    unknown = [a for a in axes if a not in sizes]
+    if unknown or not 0 <= world_rank < math.prod(sizes.values()):
+        raise ValueError(f"rank {world_rank} or axes {axes} do not fit the mesh {dict(sizes)}")
+    stride, members, rest = 1, np.zeros(1, np.int64), world_rank
+    for axis in mesh_axes:
+        rest, here = divmod(rest, sizes[axis])
+        if axis in axes:
+            members = (members[None, :] + stride * np.arange(sizes[axis])[:, None]).ravel()
+        else:
+            members = members + stride * here
+        stride *= sizes[axis]
+    ranks = tuple(sorted(int(r) for r in members))
+    prefix = key or "-".join(axes) or "self"
+    return GroupAt("-".join([prefix, *map(str, ranks)]), len(ranks), ranks.index(world_rank),
+                   ranks)
 
 
 def sub_group(parent: GroupAt, key: str, members: list[int]) -> GroupAt:

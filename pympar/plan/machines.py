@@ -11,13 +11,17 @@ and pympar's own time per collective call. :data:`PRESETS` holds the named ones:
     one rank, its links and its checks from short runs on 2, 4 and 8 ranks.
 ``hdr``
     A CPU node of 128 cores (two 64-core sockets, 2.45 GHz, 16 channels of DDR4-3200) on
-    InfiniBand HDR: 1.3 us and 23 GB/s between nodes, shared memory 0.4 us and 8 GB/s inside.
+    InfiniBand HDR: 1.3 us and 23 GB/s between nodes, shared memory 0.4 us and 12 GB/s
+    inside (one pair of cores copying), 4 GiB of memory per core. A core does 40 GFLOP/s of
+    float32 matrix work and reads 3.2 GB/s (the node's 409.6 GB/s shared), plus 15 us of
+    Python and NumPy per layer call; pympar adds 10 us per collective and 1 us per check.
 ``25gbe``
     The same node on 25 Gb Ethernet (TCP): 20 us and 2.9 GB/s between nodes.
 ``gpu``
     A node of 8 GPUs of the H100 SXM class, one rank each: 3.35 TB/s of memory and 50 TFLOP/s
-    of float32 matrix work per GPU, NVLink inside the node (3 us, 300 GB/s), InfiniBand NDR
-    across nodes (3 us, 45 GB/s per GPU).
+    of float32 matrix work per GPU, 80 GB of memory each, NVLink inside the node (3 us,
+    300 GB/s), InfiniBand NDR across nodes (3 us, 45 GB/s per GPU); 30 us of Python and
+    kernel launches per layer call, 15 us per collective, 2 us per check.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ class Machine:
         return Machine(**data)
 
 
-_CPU = dict(cores=128, intra=Link(0.4e-6, 8e9), memory_bandwidth=3.2e9, flop_rate=40e9,
+_CPU = dict(cores=128, intra=Link(0.4e-6, 12e9), memory_bandwidth=3.2e9, flop_rate=40e9,
             op_overhead=15e-6, call_overhead=10e-6, check_intra=1e-6, disk_bandwidth=50e9,
             disk_rank_bandwidth=1e9, node_size=128)
 

@@ -164,6 +164,18 @@ def ulysses_size(layout: Layout) -> int:
     return max(u for u in range(1, layout.cp + 1) if layout.cp % u == 0 and u * u <= layout.cp)
 
 
+def transformer_unfit(layout: Layout, batch: int, sequence: int) -> str | None:
+    """Why a transformer's ``layout`` cannot split a batch of ``batch`` sequences of
+    ``sequence`` tokens (None when it can)."""
+    if batch < layout.dp:
+        return f"batch {batch} is smaller than dp {layout.dp}"
+    if sequence < layout.cp:
+        return f"sequence of {sequence} is shorter than cp {layout.cp}"
+    if layout.attention == "hybrid" and layout.cp % ulysses_size(layout):
+        return f"ulysses size {ulysses_size(layout)} does not divide cp {layout.cp}"
+    return None
+
+
 def my_share(n: int, site: Site, role: str) -> int:
     """This rank's share of ``n`` items over the group of ``role``."""
     return balanced_sizes(n, site.size(role))[site.rank(role)]

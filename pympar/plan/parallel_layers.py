@@ -156,10 +156,11 @@ class ContextAttention(Layer):
         u, rings = env.site.size("ulysses"), env.site.size("ring")
         return [sum(blocks[j * u:(j + 1) * u]) for j in range(rings)]
 
-    def _kv(self, env: Env, rows: int) -> int:
-        """Bytes of one key/value block of ``rows`` rows (this rank's heads)."""
-        heads = _mine(self.heads, env, "ulysses")
-        return 2 * self._batch * heads * rows * self.head_dim * env.itemsize
+    def _kv(self, env: Env, rows: list[int]) -> list[int]:
+        """Bytes of the key/value block of every ring rank (``rows`` each, this rank's
+        heads)."""
+        each = 2 * self._batch * _mine(self.heads, env, "ulysses") * self.head_dim * env.itemsize
+        return [each * n for n in rows]
 
     def forward(self, env: Env, x: Array) -> Array:
         n, self._batch = x.shape[0], x.shape[1]
@@ -177,11 +178,12 @@ class ContextAttention(Layer):
         qkvh = transposed(qkv, (2, 1, 3, 0, 4))
         if ring > 1:
             env.check("ring")
+        kv = self._kv(env, rows)
         for t in range(ring):
             src = (r - t) % ring
             if t < ring - 1:
-                env.call("ring", "ring_attention.forward", "ring_transfer",
-                         self._kv(env, rows[src]), self._kv(env, rows[(src - 1) % ring]))
+                env.call("ring", "ring_attention.forward", "ring_transfer", kv[src],
+                         kv[(src - 1) % ring])
             env.compute("attention.forward", 4.0 * self._batch * heads * rows[r] * rows[src]
                         * self.head_dim, self._batch * heads * rows[r] * rows[src]
                         * env.itemsize)
@@ -209,7 +211,8 @@ class ContextAttention(Layer):
                      dout.nbytes, rows[r] * self._batch * heads * self.head_dim * env.itemsize)
         if ring > 1:
             env.check("ring")
-        kv = [self._kv(env, rows[(r - t) % ring]) for t in range(ring)]
+        blocks = self._kv(env, rows)
+        kv = [blocks[(r - t) % ring] for t in range(ring)]
         for t in range(ring):
             src = (r - t) % ring
             if t < ring - 1:

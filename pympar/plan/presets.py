@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .layers import GELU, Layer, LayerNorm, Linear, Param, Recompute, Sequential
 from .models import (Layout, Model, forward_loss_backward, memory_of, my_share,
-                     transformer_site, ulysses_size)
+                     transformer_site, transformer_unfit, ulysses_size)
 from .parallel_layers import (ColumnParallelLinear, ContextAttention, Linear3D,
                               RowParallelLinear, SpectralBlock, collective)
 from .ledger import Site
@@ -144,13 +144,7 @@ class BurgersModel(Model):
         if ulysses > self.heads:
             return f"Ulysses groups of {ulysses} ranks leave ranks without heads " \
                    f"({self.heads} heads)"
-        if self.batch < layout.dp:
-            return f"batch {self.batch} is smaller than dp {layout.dp}"
-        if self.grid < layout.cp:
-            return f"grid {self.grid} has fewer points than cp {layout.cp}"
-        if layout.attention == "hybrid" and layout.cp % ulysses_size(layout):
-            return f"ulysses size {ulysses_size(layout)} does not divide cp {layout.cp}"
-        return None
+        return transformer_unfit(layout, self.batch, self.grid)
 
     def network(self, layout: Layout, env: Env) -> Sequential:
         """The example's ``BurgersTransformer`` for this rank."""

@@ -18,13 +18,30 @@ from typing import Any
 
 from .ledger import Call, Site
 
-__all__ = ["Array", "Check", "Work", "Env", "transposed"]
+__all__ = ["Sized", "Array", "Check", "Work", "Env", "transposed"]
 
 _ids = itertools.count(1)
 
 
+class Sized:
+    """Elements and bytes of something with a ``shape`` and an ``itemsize``."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def size(self) -> int:
+        """Elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes."""
+        return self.size * self.itemsize
+
+
 @dataclass(frozen=True)
-class Array:
+class Array(Sized):
     """A symbolic array: its shape, item size and identity (a view keeps its base's).
 
     Attributes
@@ -44,16 +61,6 @@ class Array:
     def new(shape: tuple[int, ...], itemsize: int) -> "Array":
         """A fresh array (a new identity)."""
         return Array(tuple(int(n) for n in shape), int(itemsize), next(_ids))
-
-    @property
-    def size(self) -> int:
-        """Elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes."""
-        return self.size * self.itemsize
 
     def view(self, shape: tuple[int, ...]) -> "Array":
         """A reshape of this array (same memory, same identity)."""

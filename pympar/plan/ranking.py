@@ -20,11 +20,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import costs
-from .machine import Machine
-from .models import Layout, Model, describe, run_step
+from .machines import Machine
+from .models import Layout, Model, StepResult, describe, run_step
 from .program import Work
 
 __all__ = ["Prediction", "work_seconds", "predict", "rank"]
+
+# The symbolic steps already run, by (model, layout, rank): the same step priced on several
+# machines or memory limits is run once. Bounded: cleared when full.
+_STEPS: dict[tuple[str, Layout, int], StepResult] = {}
+_MAX_STEPS = 4096
+
+
+def _step(model: Model, layout: Layout, world_rank: int) -> StepResult:
+    key = (repr(model), layout, world_rank)
+    found = _STEPS.get(key)
+    if found is None:
+        if len(_STEPS) >= _MAX_STEPS:
+            _STEPS.clear()
+        found = _STEPS[key] = run_step(model, layout, world_rank)
+    return found
 
 
 @dataclass
@@ -51,6 +66,10 @@ class Prediction:
         Collective calls and agreement checks per step.
     memory : dict of str to int
         Rank 0's bytes (:func:`pympar.memory.memory_report`'s kinds and ``total``).
+    by_operation : dict of str to float
+        Communication seconds per step by group role and kind of call (``"dp-cp
+        all_reduce"``, ``"ulysses all_to_all"``) and the checks' by group role (``"tp
+        checks"``).
     """
 
     layout: Layout
@@ -63,6 +82,7 @@ class Prediction:
     calls: int = 0
     checks: int = 0
     memory: dict[str, int] = field(default_factory=dict)
+    by_operation: dict[str, float] = field(default_factory=dict)
 
     @property
     def step(self) -> float:
@@ -132,7 +152,7 @@ def predict(model: Model, layout: Layout, machine: Machine, node_size: int | Non
     ranks = layout.ranks
     node = node_size or machine.node_size or ranks
     on_node = min(ranks, node)
-    result = run_step(model, layout, world_rank)
+    result = _step(model, layout, world_rank)
     env, site = result.env, result.env.site
     pred.memory = result.memory
     limit = machine.node_memory / on_node if memory is None else memory
@@ -142,29 +162,39 @@ def predict(model: Model, layout: Layout, machine: Machine, node_size: int | Non
                        f"{limit / 2**20:.1f} MiB")
     factor = max(1.0, on_node / machine.cores)
     mine = world_rank // node
-
-    def per_node(role: str) -> int:
-        return sum(1 for r in site.groups[role].ranks if r // node == mine)
-
+    on_my_node = {role: sum(1 for r in g.ranks if r // node == mine)
+                  for role, g in site.groups.items()}
     compute = factor * sum(work_seconds(w, machine) for w in env.work)
     comm = 0.0
+    priced: dict[tuple, tuple[costs.Traffic, float]] = {}  # a ring repeats its calls
     for call in env.calls:
-        p, q = site.size(call.role), per_node(call.role)
-        if call.primitive == "ring_transfer":
-            t = costs.traffic("ring_transfer", p, q, max(call.bytes_in, call.bytes_out))
+        p, q = site.size(call.role), on_my_node[call.role]
+        key = (call.primitive, p, q, call.bytes_in, call.bytes_out)
+        if key not in priced:
+            whole = (max(call.bytes_in, call.bytes_out) if call.primitive == "ring_transfer"
+                     else call.bytes_out if call.primitive == "all_gather" else call.bytes_in)
+            t = costs.traffic(call.primitive, p, q, whole)
+            reduced = call.bytes_in if call.primitive in ("all_reduce", "reduce_scatter") \
+                and p > 1 else 0
+            priced[key] = t, (machine.call_overhead + costs.seconds(t, machine, reduced)
+                              + (_shared_cost(machine.shared, factor) if p > 1 else 0.0))
+        t, seconds = priced[key]
+        comm += seconds
+        name = f"{call.role} {call.primitive}"
+        pred.by_operation[name] = pred.by_operation.get(name, 0.0) + seconds
+        if call.primitive == "ring_transfer":  # one message, when this rank sends
             pred.messages += int(call.bytes_in > 0)
             pred.bytes_sent += call.bytes_in
         else:
-            whole = call.bytes_out if call.primitive == "all_gather" else call.bytes_in
-            t = costs.traffic(call.primitive, p, q, whole)
             pred.messages += t.messages
             pred.bytes_sent += t.nbytes
-        reduced = call.bytes_in if call.primitive in ("all_reduce", "reduce_scatter") else 0
-        comm += machine.call_overhead + costs.seconds(t, machine, reduced if p > 1 else 0)
-        if p > 1:
-            comm += _shared_cost(machine.shared, factor)
-    checks = sum(costs.check_seconds(c.kind, site.size(c.role), per_node(c.role), machine)
-                 + _shared_cost(machine.shared_check, factor) for c in env.checks)
+    checks = 0.0
+    for c in env.checks:
+        seconds = (costs.check_seconds(c.kind, site.size(c.role), on_my_node[c.role], machine)
+                   + _shared_cost(machine.shared_check, factor))
+        checks += seconds
+        name = f"{c.role} checks"
+        pred.by_operation[name] = pred.by_operation.get(name, 0.0) + seconds
     pred.seconds = {"compute": compute, "communication": comm, "checks": checks,
                     "step": compute + comm + checks}
     pred.calls, pred.checks = len(env.calls), len(env.checks)

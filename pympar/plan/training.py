@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..zero import share_rows
 from .layers import Param
 from .parallel_layers import collective
@@ -82,12 +84,26 @@ class ZeroPlan:
     groups: int
 
 
+# Plans by (shapes, item sizes, d, rank, bound): every layout with the same model-parallel
+# part has the same parameters. Bounded: cleared when full.
+_PLANS: dict[tuple, ZeroPlan] = {}
+
+
 def zero_plan(params: list[Param], d: int, me: int, bound: int = BUCKET_BYTES) -> ZeroPlan:
     """The shares and buckets :class:`pympar.zero.ZeroRedundancyOptimizer` makes (float32
     and float64 parameters: no masters)."""
-    rows = share_rows([p.shape for p in params], d)
-    per_row = [p.size // max(p.shape[0], 1) for p in params]
-    shares = [rows[i][me] * per_row[i] for i in range(len(params))]
+    key = (tuple((p.shape, p.itemsize) for p in params), d, me, bound)
+    if key not in _PLANS:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        _PLANS[key] = _zero_plan(params, d, me, bound)
+    return _PLANS[key]
+
+
+def _zero_plan(params: list[Param], d: int, me: int, bound: int) -> ZeroPlan:
+    rows = np.array(share_rows([p.shape for p in params], d), dtype=np.int64).reshape(-1, d)
+    per_row = np.array([p.size // max(p.shape[0], 1) for p in params], dtype=np.int64)
+    shares = [int(rows[i, me] * per_row[i]) for i in range(len(params))]
     by_size: dict[int, list[int]] = {}
     for i, p in enumerate(params):
         by_size.setdefault(p.itemsize, []).append(i)
@@ -107,8 +123,9 @@ def zero_plan(params: list[Param], d: int, me: int, bound: int = BUCKET_BYTES) -
     return ZeroPlan(shares, widths, sizes, d)
 
 
-def _width(members: list[int], rows: list[tuple[int, ...]], per_row: list[int], d: int) -> int:
-    return max(sum(rows[i][k] * per_row[i] for i in members) for k in range(d))
+def _width(members: list[int], rows: np.ndarray, per_row: np.ndarray, d: int) -> int:
+    """The largest rank's elements of the bucket ``members``."""
+    return int((per_row[members] @ rows[members]).max())
 
 
 def zero_step(env: Env, params: list[Param], role: str) -> ZeroPlan:
