@@ -102,7 +102,7 @@ def _node_memory() -> float:
     return 8 * 2.0**30
 
 
-def calibrate(out: Path | str = THIS_FILE, repeats: int = 9) -> Machine:
+def calibrate(out: Path | str = THIS_FILE) -> Machine:
     """Measure this machine and write its :class:`Machine` to ``out``; return it."""
     from threadpoolctl import threadpool_limits
     from .kernels import measure
@@ -110,7 +110,7 @@ def calibrate(out: Path | str = THIS_FILE, repeats: int = 9) -> Machine:
     cores = int(cores or 1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     with threadpool_limits(1):
-        kernels = measure(repeats)
+        kernels = measure()
     with tempfile.TemporaryDirectory(prefix="pympar-calibrate-") as scratch:
         links = {n: _job(n, Path(scratch)) for n in sorted({2, 2 * cores, 4 * cores})}
     two = links[2]

@@ -1,16 +1,20 @@
-"""This machine's local work, measured on one rank: the layers' own code at a few sizes.
+"""This machine's local work, measured on one rank: the layers' own code, in whole models.
 
-Every sample runs a real pympar layer (or the few NumPy lines of a training step) at one
-size, timed as the median of repeats, beside the :class:`~pympar.plan.program.Work` that its
-description (:mod:`pympar.plan.layers`) emits for the same size. Per kind of work,
-:func:`fit` finds ``seconds = a * pieces + b * FLOPs + c * bytes`` with ``a, b, c >= 0`` by
-least squares; a sample that also holds work of kinds fitted before (a
-:class:`~pympar.modules.ContextAttention` holds two :class:`~pympar.modules.Linear`) is
-fitted on what remains of its time once those are taken away.
+A layer timed alone runs with its arrays in cache and its memory reused, faster than inside a
+model's step (30 % here). So the layers are timed where they work: a transformer (layer norm,
+attention, a Column -> GELU -> Row MLP) and an FNO (spectral blocks) of sizes around the
+examples' on 1 to 8 ranks run whole forward and backward passes, and every layer's own
+seconds (its sub-layers' taken out) are summed per kind, beside the
+:class:`~pympar.plan.program.Work` their descriptions (:mod:`pympar.plan.layers`) emit for
+the same sizes. The few NumPy lines of a step (residual adds, the loss, AdamW, the gradient
+buckets) are timed alone, as the median of repeats. Per kind of work, :func:`fit` finds
+``seconds = a * pieces + b * FLOPs + c * bytes`` with ``a, b, c >= 0`` by least squares; a
+sample that also holds work of kinds fitted before is fitted on what remains of its time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
@@ -19,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .layers import GELU as GELUPlan, LayerNorm as LayerNormPlan, Linear as LinearPlan
+from .layers import Sequential as Chain
 from .models import Layout
 from .parallel_layers import ContextAttention as AttentionPlan, SpectralBlock
 from .presets import BurgersModel, FNOModel
@@ -40,37 +45,6 @@ def _median_seconds(run: Callable[[], Any], setup: Callable[[], Any] | None = No
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
-
-
-def _env(model: Any = None) -> Env:
-    model = model or BurgersModel()
-    return Env(model.site(Layout(), 0), 4)
-
-
-def _symbolic(layer: Any, shape: tuple[int, ...], direction: str, env: Env) -> list[Work]:
-    """The work ``layer``'s description emits for one forward, or one backward."""
-    x = env.array(shape)
-    y = layer.forward(env, x)
-    if direction == "forward":
-        return list(env.work)
-    env.work.clear()
-    layer.backward(env, y)
-    return list(env.work)
-
-
-def _layer_samples(make: Callable[[], Any], plan: Any, shape: tuple[int, ...],
-                   model: Any = None, repeats: int = 9) -> list[Sample]:
-    """A real layer's forward and backward timed at ``shape``, beside its description's work."""
-    rng = np.random.default_rng(0)
-    layer = make()
-    x = rng.standard_normal(shape).astype(np.float32)
-    y = layer.forward(x)
-    dy = np.ones_like(y)
-    layer.backward(dy)
-    forward = _median_seconds(lambda: layer.forward(x), repeats=repeats)
-    backward = _median_seconds(lambda: layer.backward(dy), lambda: layer.forward(x), repeats)
-    return [(_symbolic(plan, shape, "forward", _env(model)), forward),
-            (_symbolic(plan, shape, "backward", _env(model)), backward)]
 
 
 def _numpy_samples(repeats: int = 9) -> list[Sample]:
@@ -112,48 +86,103 @@ def _numpy_samples(repeats: int = 9) -> list[Sample]:
     return out
 
 
-def samples(repeats: int = 9) -> list[Sample]:
-    """Every calibration sample: the examples' layers at sizes around theirs on 1-8 ranks."""
-    from ..modules import GELU, ContextAttention, LayerNorm, Linear
-    from ..modules.spectral import SpectralConv2d
-    from ..group import self_group
-    out = _numpy_samples(repeats)
-    for rows, fin, fout in ((64, 64, 192), (512, 64, 192), (1024, 64, 192), (2048, 64, 64),
-                            (1024, 64, 256), (1024, 256, 64), (256, 64, 32), (1024, 3, 64),
-                            (8192, 3, 16), (8192, 16, 16), (8192, 16, 64), (8192, 64, 1),
-                            (2048, 16, 64), (1024, 64, 1), (128, 256, 64), (4096, 64, 128)):
-        out += _layer_samples(lambda: Linear(fin, fout), LinearPlan(fin, fout), (rows, fin),
-                              repeats=repeats)
-    for rows, h in ((64, 64), (512, 64), (1024, 64), (4096, 64), (1024, 16)):
-        out += _layer_samples(lambda: LayerNorm(h), LayerNormPlan(h), (rows, h),
-                              repeats=repeats)
-    for rows, f in ((1024, 256), (1024, 64), (256, 256), (8192, 16), (8192, 64), (4096, 128)):
-        out += _layer_samples(GELU, GELUPlan(), (rows, f), repeats=repeats)
-    group = self_group()
-    for n, b, h, heads in ((64, 16, 64, 4), (32, 16, 64, 4), (64, 8, 64, 4), (16, 16, 64, 4),
-                           (64, 4, 64, 2), (128, 8, 64, 4), (64, 16, 64, 1)):
-        out += _layer_samples(lambda: ContextAttention(h, heads, "ring", group=group),
-                              AttentionPlan(h, heads, n), (n, b, h), repeats=repeats)
-    fno = FNOModel()
-    for b, n1, n2, w, m in ((8, 32, 32, 16, 8), (4, 32, 32, 16, 8), (8, 16, 32, 16, 8),
-                            (8, 32, 32, 16, 4), (2, 32, 32, 16, 8), (8, 32, 32, 8, 8)):
-        plan = SpectralBlock(w, (m, m), (n1, n2))
-        work = []
+@contextlib.contextmanager
+def _timed_layers(totals: dict[str, float]):
+    """Inside: every forward and backward of pympar's layers adds its own seconds (its
+    sub-layers' taken out) to ``totals[kind + "." + direction]``."""
+    from ..modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
+                           RowParallelLinear)
+    from ..modules.fno import SpectralBlock as Block
+    from ..modules.spectral import SpectralConv
+    kinds = {Linear: "linear", ColumnParallelLinear: "linear", RowParallelLinear: "linear",
+             LayerNorm: "layernorm", GELU: "gelu", ContextAttention: "attention",
+             SpectralConv: "spectral", Block: "add"}
+    inner: list[float] = []
+    saved = []
+    for cls, kind in kinds.items():
         for direction in ("forward", "backward"):
-            env = _env(fno)
-            x = env.array((b, n1, n2, w))
-            plan.forward(env, x)
-            if direction == "backward":
-                env.work.clear()
-                plan.backward(env, x)
-            work.append([w_ for w_ in env.work if w_.kind.startswith("spectral")])
-        conv = SpectralConv2d(w, w, m)
-        x = np.random.default_rng(0).standard_normal((b, n1, n2, w)).astype(np.float32)
-        dy = np.ones_like(conv.forward(x))
-        conv.backward(dy)
-        out.append((work[0], _median_seconds(lambda: conv.forward(x), repeats=repeats)))
-        out.append((work[1], _median_seconds(lambda: conv.backward(dy), lambda: conv.forward(x),
-                                             repeats)))
+            original = cls.__dict__[direction]
+
+            def timed(self, *args, _run=original, _key=f"{kind}.{direction}", **kw):
+                start = time.perf_counter()
+                inner.append(0.0)
+                try:
+                    return _run(self, *args, **kw)
+                finally:
+                    took, nested = time.perf_counter() - start, inner.pop()
+                    totals[_key] = totals.get(_key, 0.0) + took - nested
+                    if inner:
+                        inner[-1] += took
+            saved.append((cls, direction, original))
+            setattr(cls, direction, timed)
+    try:
+        yield
+    finally:
+        for cls, direction, original in saved:
+            setattr(cls, direction, original)
+
+
+def _in_context(net: Any, x: np.ndarray, plan: Any, env: Env, steps: int) -> list[Sample]:
+    """The layers of ``net`` timed inside whole forward and backward passes of it on ``x``
+    (per kind, the median over ``steps`` passes), beside the work its description ``plan``
+    emits for one."""
+    y = net.forward(x)
+    dy = np.ones_like(y)
+    net.backward(dy)
+    passes: list[dict[str, float]] = []
+    for _ in range(steps):
+        totals: dict[str, float] = {}
+        with _timed_layers(totals):
+            net.forward(x)
+            net.backward(dy)
+        passes.append(totals)
+    plan.backward(env, plan.forward(env, env.array(x.shape)))
+    out = []
+    for kind in passes[0]:
+        work = [w for w in env.work if w.kind == kind]
+        if work:
+            out.append((work, statistics.median(p[kind] for p in passes)))
+    return out
+
+
+def samples(steps: int = 15) -> list[Sample]:
+    """Every calibration sample: NumPy's parts of a step, and the layers of a transformer
+    and of an FNO at sizes around the examples' on 1-8 ranks, timed inside whole passes."""
+    from ..group import self_group
+    from ..modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
+                           RowParallelLinear, Sequential)
+    from ..modules.fno import SpectralBlock as Block
+    out = _numpy_samples()
+    alone, hidden = self_group(), 64
+    for n, b, heads, ffn in ((64, 16, 4, 256), (64, 8, 4, 256), (32, 16, 4, 256),
+                             (64, 16, 2, 256), (64, 16, 4, 128), (64, 4, 4, 256),
+                             (16, 16, 4, 256), (32, 8, 2, 128)):
+        layers, plans = [Linear(3, hidden, input_grad=False)], [LinearPlan(3, hidden, True,
+                                                                          False)]
+        for _ in range(2):
+            layers += [LayerNorm(hidden), ContextAttention(hidden, heads, "ring", group=alone),
+                       LayerNorm(hidden), ColumnParallelLinear(hidden, ffn, gather_output=False,
+                                                               group=alone), GELU(),
+                       RowParallelLinear(ffn, hidden, input_is_parallel=True, group=alone)]
+            plans += [LayerNormPlan(hidden), AttentionPlan(hidden, heads, n),
+                      LayerNormPlan(hidden), LinearPlan(hidden, ffn), GELUPlan(),
+                      LinearPlan(ffn, hidden)]
+        layers += [LayerNorm(hidden), Linear(hidden, 1)]
+        plans += [LayerNormPlan(hidden), LinearPlan(hidden, 1)]
+        x = np.random.default_rng(0).standard_normal((n, b, 3)).astype(np.float32)
+        out += _in_context(Sequential(*layers), x, Chain(*plans),
+                           Env(BurgersModel().site(Layout(), 0), 4), steps)
+    for b, n1, width, modes in ((8, 32, 16, 8), (4, 32, 16, 8), (2, 32, 16, 8),
+                                (8, 16, 16, 8), (8, 32, 16, 4), (4, 16, 16, 4)):
+        layers = [Linear(3, width, input_grad=False),
+                  *(Block(width, modes, activation=i < 2, seed=i) for i in range(3)),
+                  Linear(width, 4 * width), GELU(), Linear(4 * width, 1)]
+        plans = [LinearPlan(3, width, True, False),
+                 *(SpectralBlock(width, (modes, modes), (n1, 32), i < 2) for i in range(3)),
+                 LinearPlan(width, 4 * width), GELUPlan(), LinearPlan(4 * width, 1)]
+        x = np.random.default_rng(0).standard_normal((b, n1, 32, 3)).astype(np.float32)
+        out += _in_context(Sequential(*layers), x, Chain(*plans),
+                           Env(FNOModel().site(Layout(), 0), 4), steps)
     return out
 
 
@@ -204,6 +233,6 @@ def _predict(work: Work, fitted: dict[str, list[float]]) -> float:
     return a + b * work.flops + c * work.bytes
 
 
-def measure(repeats: int = 9) -> dict[str, list[float]]:
+def measure(steps: int = 15) -> dict[str, list[float]]:
     """Measure and fit this machine's kernels (a few seconds on one core)."""
-    return fit(samples(repeats))
+    return fit(samples(steps))
