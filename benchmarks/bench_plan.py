@@ -13,7 +13,9 @@ own ``median_step_seconds`` (the median over its steps of ``model.zero_grad()`` 
 a new seeded order, and the median over rounds is compared with the prediction of
 ``python -m pympar plan --machine this`` (the committed calibration). The targets (issue 34):
 every prediction on 1 and 2 ranks within 25 % of the measured median, and the measured order
-of the planner's top 3 Burgers layouts on 8 ranks the predicted order.
+of the planner's top 3 Burgers layouts on 8 ranks the predicted order. Before each job the
+machine's busy fraction is measured (``--wait-quiet``: waited for to fall below 0.15) and
+recorded: other work on the cores lengthens the measured steps.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.run import find_mpiexec, is_open_mpi, launch_command  # noqa: E402
-from pympar.plan.machine import load_this  # noqa: E402
+from benchmarks.run import (busy_fraction, find_mpiexec, is_open_mpi,  # noqa: E402
+                            launch_command, wait_until_quiet)
+from pympar.plan.machines import load_this  # noqa: E402
 from pympar.plan.models import Layout, ulysses_size  # noqa: E402
-from pympar.plan.predict import rank  # noqa: E402
+from pympar.plan.ranking import rank  # noqa: E402
 from pympar.plan.presets import BurgersModel, FNOModel  # noqa: E402
 
 #: Predictions on 1 and 2 ranks within this fraction of the measured median (issue 34).
@@ -106,18 +109,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="jobs per layout")
     parser.add_argument("--extra", type=int, default=2,
                         help="Burgers layouts beyond the top 3 on 4 and 8 ranks")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="before each job, wait up to this long for an idle machine")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = parser.parse_args(argv)
     mpiexec = find_mpiexec()
     open_mpi = is_open_mpi(mpiexec)
     todo = cases(args.ranks, args.extra)
     samples: dict[int, list[float]] = {i: [] for i in range(len(todo))}
+    busy: dict[int, list[float]] = {i: [] for i in range(len(todo))}
     start, load0 = time.monotonic(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="pympar-bench-plan-") as scratch:
         for round_ in range(args.rounds):
             order = list(range(len(todo)))
             random.Random(round_).shuffle(order)
             for i in order:
+                busy[i].append(wait_until_quiet(args.wait_quiet) if args.wait_quiet > 0
+                               else busy_fraction(0.3))
                 samples[i].append(run_example(todo[i], args.steps, mpiexec, open_mpi,
                                               Path(scratch)))
             print(f"round {round_ + 1}/{args.rounds} done ({time.monotonic() - start:.0f} s)",
@@ -126,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, case in enumerate(todo):
         measured = statistics.median(samples[i])
         rows.append({**case, "measured_ms": measured, "rounds_ms": samples[i],
+                     "busy_before": [round(b, 3) for b in busy[i]],
                      "error": (case["predicted_ms"] - measured) / measured})
     for r in rows:
         print(f"{r['model']:8} {r['ranks']} {r['layout']:42} predicted {r['predicted_ms']:8.2f} "

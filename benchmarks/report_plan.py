@@ -15,7 +15,8 @@ from benchmarks.report_format import table, verdict
 def _rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
     return [[r["model"], r["layout"], r["predicted_rank"], f"{r['predicted_ms']:.2f}",
              f"{r['measured_ms']:.2f}", f"{100 * r['error']:+.1f} %",
-             " ".join(f"{v:.1f}" for v in r["rounds_ms"])] for r in rows]
+             " ".join(f"{v:.1f}" for v in r["rounds_ms"]),
+             " ".join(f"{b:.2f}" for b in r.get("busy_before", []))] for r in rows]
 
 
 def section_plan(data: dict[str, Any]) -> list[str]:
@@ -37,7 +38,7 @@ def section_plan(data: dict[str, Any]) -> list[str]:
              f"ranks than cores the model multiplies the compute by ranks/cores and adds the "
              f"measured wait for a core to every synchronizing call and check.", ""]
     header = ["model", "layout", "predicted place", "predicted (ms)", "measured (ms)",
-              "error", "each job (ms)"]
+              "error", "each job (ms)", "machine busy before each"]
     for ranks in sorted({r["ranks"] for r in data["rows"]}):
         mine = [r for r in data["rows"] if r["ranks"] == ranks]
         shared = ranks > data["cores"]
