@@ -11,14 +11,14 @@ width)`` and ``GELU`` on micro-batches of ``--rows`` rows (float32, one BLAS thr
 rank); with ``--work sleep``, one layer whose forward sleeps a third of ``--sleep-ms`` and
 whose backward two thirds (and which caches its input, as a layer does). A step is one
 :meth:`~pympar.pipeline.PipelineSchedule.run` of ``m`` micro-batches on ``p`` stages
-(the loss, the mean of the output, costs next to nothing), GPipe and 1F1B sampled in
+(the loss: the mean of the output, about 0.1 ms a micro-batch), GPipe and 1F1B sampled in
 interleaved rounds; its time is the slowest stage's.
 
 The bubble is the fraction of the step a stage spends without work. Measured two ways:
 
 * ``bubble``: ``(T - m t) / T``, ``T`` the step's time and ``t`` the time of one
-  micro-batch's forward and backward on a stage alone (each stage in turn, the others
-  asleep), the mean over the stages, sampled in every round beside the steps; the median
+  micro-batch's forward and backward on a stage alone (the last stage's loss included;
+  each stage in turn, the others asleep), the mean over the stages, sampled in every round beside the steps; the median
   over rounds of the round's value. Everything that is not compute counts as bubble: the
   transfers, the schedule's own work, and compute slowed down by ranks sharing a core.
 * ``idle``: ``1 - busy / T`` per stage, ``busy`` the time its forward and backward took
@@ -160,7 +160,8 @@ class Pipeline:
         self.stage = split_stages([lambda: stage_layers(work, args)] * p, self.group)
         self.clock = next(iter(self.stage))
         last = self.group.rank == p - 1
-        self.runs = {name: schedule(self.stage, self.group, m, MeanLoss() if last else None,
+        self.loss = MeanLoss() if last else None
+        self.runs = {name: schedule(self.stage, self.group, m, self.loss,
                                     label=f"bench-{name}")
                      for name, schedule in SCHEDULES.items()}
         rng = np.random.default_rng(self.group.rank)
@@ -179,15 +180,20 @@ class Pipeline:
         return self.comm.allreduce(mine, op=MPI.MAX), self.clock.busy
 
     def alone(self, calls: int = 3) -> float:
-        """One micro-batch's forward and backward on each stage in turn, the others
-        asleep: the mean over the stages of each one's median seconds."""
+        """One micro-batch's forward and backward (and the last stage's loss) on each
+        stage in turn, the others asleep: the mean over the stages of each one's median
+        seconds."""
         times = []
         for s in range(self.group.size):
             common.sleep_barrier(self.comm)
             if self.group.rank == s:
                 for _ in range(calls):
                     start = time.perf_counter()
-                    self.stage.backward(self.stage.forward(self.micro_batch))
+                    y = self.stage.forward(self.micro_batch)
+                    if self.loss is not None:  # the last stage's work includes the loss
+                        self.loss.forward(y, y)
+                        y = self.loss.backward(1.0)
+                    self.stage.backward(y)
                     times.append(time.perf_counter() - start)
         common.sleep_barrier(self.comm)
         return float(np.mean(self.comm.allgather(common.median(times))))
