@@ -163,8 +163,8 @@ def named_only(quick: bool) -> list[Job]:
     examples under the planner's layouts on 1-8 ranks (about 10 minutes on 2 cores; it
     starts its own jobs)."""
     return [Job("plan", "bench_plan.py", 8, "plan.json",
-                ["--rounds", "1", "--steps", "20", "--extra", "0"] if quick else [], 2400,
-                True)]
+                ["--rounds", "1", "--steps", "20", "--extra", "0"] if quick else
+                ["--wait-quiet", "60"], 3600, True)]
 
 
 def _fft_jobs(args: list[str], timeout: float) -> list[Job]:

@@ -1,9 +1,11 @@
 """Measure this machine for the planner: ``python -m pympar plan --calibrate``.
 
-Without a launcher it measures the local work on one rank (:mod:`pympar.plan.kernels`),
-then starts short ``mpiexec`` jobs of this module on 2 ranks (one per core: the links, pympar's
-time per call and per check) and on 4 and 8 ranks (ranks sharing the cores: what each
-synchronizing call costs on top), and writes everything as a
+Without a launcher it measures the local work on one rank (inside the examples' own loops,
+:mod:`pympar.plan.in_examples`, where they are at hand, else :mod:`pympar.plan.kernels`) and
+how much slower it runs beside another busy rank, then starts short ``mpiexec`` jobs of this
+module on 2 ranks (one per core: the links, pympar's time per call and per check, how far
+apart ranks arrive after equal work) and on 4 and 8 ranks (ranks sharing the cores: what
+each synchronizing call costs on top), and writes everything as a
 :class:`~pympar.plan.machines.Machine` (``pympar/plan/this_machine.json`` by default). About a
 minute on two cores. Under ``mpiexec`` it is one of those jobs (``--part comm``).
 """
@@ -67,6 +69,16 @@ def measure_links(comm: MPI.Comm) -> dict[str, float]:
     out["allreduce_raw"] = _timed(comm, lambda: comm.Allreduce(x, y), 200)
     out["allreduce_pympar"] = _timed(comm, lambda: group.all_reduce(x), 200)
     out["check"] = _timed(comm, lambda: agree(group, ("calibration",), "calibration"), 200)
+    # Equal work, then a meeting: how much later than its own work the slowest arrives.
+    a = np.random.default_rng(rank).standard_normal((512, 256)).astype(np.float32)
+    w = np.ones((256, 256), np.float32)
+
+    def work() -> None:
+        for _ in range(4):
+            a @ w
+    alone = _timed(comm, work, 10, 15)
+    met = _timed(comm, lambda: (work(), group.all_reduce(x)), 10, 15)
+    out["jitter"] = max(met - alone - out["allreduce_pympar"], 0.0) / alone
     group.free()
     return out
 
@@ -105,12 +117,14 @@ def _node_memory() -> float:
 def calibrate(out: Path | str = THIS_FILE) -> Machine:
     """Measure this machine and write its :class:`Machine` to ``out``; return it."""
     from threadpoolctl import threadpool_limits
-    from .kernels import measure
+    from . import in_examples, kernels
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = int(cores or 1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    with threadpool_limits(1):
-        kernels = measure()
+    with threadpool_limits(1):  # the examples' own loops where they are at hand
+        found = in_examples.samples() if in_examples.available() else kernels.chain_samples()
+        fitted = kernels.fit(found + kernels.numpy_samples())
+        corun = in_examples.corun(cores) if in_examples.available() and cores > 1 else 1.0
     with tempfile.TemporaryDirectory(prefix="pympar-calibrate-") as scratch:
         links = {n: _job(n, Path(scratch)) for n in sorted({2, 2 * cores, 4 * cores})}
     two = links[2]
@@ -122,14 +136,15 @@ def calibrate(out: Path | str = THIS_FILE) -> Machine:
     shared_check = {str(n // cores): max(links[n]["check"] - check, 0.0) for n in over}
     shared = {str(n // cores): max(links[n]["allreduce_pympar"] - two["allreduce_pympar"]
                                    - shared_check[str(n // cores)], 0.0) for n in over}
-    copy = kernels.get("copy", [0.0, 0.0, 1e-10])
+    copy = fitted.get("copy", [0.0, 0.0, 1e-10])
     machine = Machine(
         "this", f"this machine ({platform.node()}, {cores} cores), measured",
         cores=cores, intra=Link(latency, bandwidth), inter=Link(latency, bandwidth),
         memory_bandwidth=1.0 / max(copy[2], 1e-12), flop_rate=1.0 / max(
-            kernels.get("linear.forward", [0, 1e-11, 0])[1], 1e-13),
-        op_overhead=statistics.median(v[0] for v in kernels.values()), call_overhead=call,
-        check_intra=check, kernels=kernels, shared=shared, shared_check=shared_check,
+            fitted.get("linear.forward", [0, 1e-11, 0])[1], 1e-13),
+        op_overhead=statistics.median(v[0] for v in fitted.values()), call_overhead=call,
+        check_intra=check, kernels=fitted, shared=shared, shared_check=shared_check,
+        jitter=two.get("jitter", 0.0) if 2 <= cores else 0.0, corun=corun,
         node_memory=_node_memory(),
         measured={"host": platform.node(), "date": datetime.date.today().isoformat(),
                   "mpi": MPI.Get_library_version().splitlines()[0].strip(),

@@ -164,8 +164,9 @@ def _plot(model: Any, best: list[Any], ranks: int, machine: Any, node: int | Non
         points = [(n, predict(model, p.layout.with_ranks(n), machine, node, memory))
                   for n in counts]
         points = [(n, q.step * 1e3) for n, q in points if q.fits]
-        if points:
-            ax.loglog(*zip(*points), marker="o", label=p.text)
+        if points:  # the model-parallel part stays, dp takes the rest of the ranks
+            ax.loglog(*zip(*points), marker="o",
+                      label=p.text.replace(f"dp={p.layout.dp}", "dp=rest"))
     ax.axvline(ranks, color="0.6", lw=0.8, ls=":")
     ax.set(xlabel="ranks", ylabel="predicted step time (ms)",
            title=f"{model.name} on {machine.name}: the best layouts at {ranks} ranks")

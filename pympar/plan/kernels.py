@@ -29,7 +29,7 @@ from .parallel_layers import ContextAttention as AttentionPlan, SpectralBlock
 from .presets import BurgersModel, FNOModel
 from .program import Env, Work
 
-__all__ = ["Sample", "samples", "fit", "measure"]
+__all__ = ["Sample", "chain_samples", "numpy_samples", "fit", "measure"]
 
 Sample = tuple[list[Work], float]
 
@@ -47,9 +47,9 @@ def _median_seconds(run: Callable[[], Any], setup: Callable[[], Any] | None = No
     return statistics.median(times[1:])
 
 
-def _numpy_samples(repeats: int = 9) -> list[Sample]:
-    """The step's own NumPy lines: residual adds, the loss, copies, AdamW, zero_grad, the
-    gradient buckets' packing."""
+def numpy_samples(repeats: int = 9) -> list[Sample]:
+    """The step's own NumPy lines, timed alone: residual adds, the loss, copies, AdamW,
+    zero_grad, the gradient buckets' packing (last: they free arrays of megabytes)."""
     from ..modules import Linear
     from ..optim import AdamW
     out: list[Sample] = []
@@ -145,14 +145,18 @@ def _in_context(net: Any, x: np.ndarray, plan: Any, env: Env, steps: int) -> lis
     return out
 
 
-def samples(steps: int = 15) -> list[Sample]:
-    """Every calibration sample: NumPy's parts of a step, and the layers of a transformer
-    and of an FNO at sizes around the examples' on 1-8 ranks, timed inside whole passes."""
+def chain_samples(steps: int = 15) -> list[Sample]:
+    """The layers of a transformer and of an FNO at sizes around the examples' on 1-8 ranks,
+    timed inside whole forward and backward passes (where the examples are not at hand:
+    :mod:`pympar.plan.in_examples` times them inside the examples themselves)."""
     from ..group import self_group
     from ..modules import (GELU, ColumnParallelLinear, ContextAttention, LayerNorm, Linear,
                            RowParallelLinear, Sequential)
     from ..modules.fno import SpectralBlock as Block
-    out = _numpy_samples()
+    # The layers first: the NumPy samples free arrays of megabytes, after which glibc serves
+    # such arrays from its heap instead of fresh pages (a step 25 % faster than the
+    # examples', whose arrays are not that large).
+    out: list[Sample] = []
     alone, hidden = self_group(), 64
     for n, b, heads, ffn in ((64, 16, 4, 256), (64, 8, 4, 256), (32, 16, 4, 256),
                              (64, 16, 2, 256), (64, 16, 4, 128), (64, 4, 4, 256),
@@ -234,5 +238,6 @@ def _predict(work: Work, fitted: dict[str, list[float]]) -> float:
 
 
 def measure(steps: int = 15) -> dict[str, list[float]]:
-    """Measure and fit this machine's kernels (a few seconds on one core)."""
-    return fit(samples(steps))
+    """Measure and fit this machine's kernels from :func:`chain_samples` and
+    :func:`numpy_samples` (a few seconds on one core)."""
+    return fit(chain_samples(steps) + numpy_samples())

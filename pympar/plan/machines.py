@@ -84,6 +84,12 @@ class Machine:
         rank waits for its partners' turns on the cores).
     disk_bandwidth, disk_rank_bandwidth : float
         Bytes per second a checkpoint reaches the file system at, in all and from one rank.
+    jitter : float
+        Ranks that meet after equal work arrive apart: the slowest later by this fraction of
+        the work since their last meeting (measured on 2 ranks; 0 for the presets).
+    corun : float
+        How much slower a rank's work runs while ranks work on the node's other cores
+        (measured by running the examples side by side; 1 for the presets).
     node_memory : float
         Bytes of memory per node (a rank's share is the default ``--memory``).
     node_size : int or None
@@ -108,6 +114,8 @@ class Machine:
     shared_check: dict[str, float] = field(default_factory=dict)
     disk_bandwidth: float = 2e9
     disk_rank_bandwidth: float = 1e9
+    jitter: float = 0.0
+    corun: float = 1.0
     node_memory: float = 512 * 2.0**30
     node_size: int | None = None
     measured: dict = field(default_factory=dict)

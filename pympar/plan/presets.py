@@ -171,6 +171,7 @@ class BurgersModel(Model):
         n = my_share(self.grid, env.site, "cp")
         b = my_share(self.batch, env.site, "dp")
         training.zero_grad(env, params)
+        env.compute("step.burgers", 0, 0)  # the example's own Python around the layers
         forward_loss_backward(env, net, env.array((n, b, 3)), (n, b), "dp-cp")
         if layout.zero:
             training.zero_step(env, params, "dp-cp")
@@ -244,6 +245,7 @@ class FNOModel(Model):
         rows = my_share(self.grid, env.site, "x")
         b = my_share(self.batch, env.site, "dp")
         training.zero_grad(env, params)
+        env.compute("step.fno", 0, 0)  # the example's own Python around the layers
         forward_loss_backward(env, net, env.array((b, rows, self.grid, 3)),
                               (b, rows, self.grid), "x-dp")
         training.allreduce_gradients(env, [p for p in params if not p.split], "x-dp")

@@ -135,6 +135,8 @@ class Env:
     ----------
     calls, checks, work : list
         In the order they happen.
+    timeline : list
+        All three interleaved, in the order they happen (what waits for what).
     caches : dict
         Per layer (``id``), the arrays it holds for backward.
     peak : int
@@ -146,6 +148,7 @@ class Env:
     calls: list[Call] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     work: list[Work] = field(default_factory=list)
+    timeline: list[Call | Check | Work] = field(default_factory=list)
     caches: dict[int, tuple[Array, ...]] = field(default_factory=dict)
     peak: int = 0
 
@@ -183,12 +186,15 @@ class Env:
         if group.size == 1 and not recorded_alone:
             return
         self.calls.append(Call(role, operation, primitive, int(bytes_in), int(bytes_out)))
+        self.timeline.append(self.calls[-1])
 
     def check(self, role: str, kind: str = "board") -> None:
         """One agreement check on the group of ``role`` (none on a group of one rank)."""
         if self.site.groups[role].size > 1:
             self.checks.append(Check(role, kind))
+            self.timeline.append(self.checks[-1])
 
     def compute(self, kind: str, flops: float, nbytes: float) -> None:
         """One piece of local work."""
         self.work.append(Work(kind, float(flops), float(nbytes)))
+        self.timeline.append(self.work[-1])

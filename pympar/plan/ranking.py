@@ -4,10 +4,14 @@ The step time of a rank is the sum of its parts (pympar's collectives block, so 
 overlaps but a ring's transfers, priced as if they did not):
 
 * **compute**: every piece of local work (:class:`~pympar.plan.program.Work`), timed by the
-  machine's measured kernels or its roofline;
-* **communication**: every call's critical path (:mod:`pympar.plan.costs`) and pympar's own
-  time per call;
+  machine's measured kernels or its roofline, slower by the machine's ``corun`` factor while
+  other ranks work on the node's other cores;
+* **communication**: every call's critical path (:mod:`pympar.plan.costs`), pympar's own
+  time per call and the writing of its result (at the memory bandwidth; all-reduces run in
+  place);
 * **checks**: every agreement check, priced apart (:func:`pympar.plan.costs.check_seconds`);
+* **waiting**: ranks meet at every call and check; the slowest arrives later by the machine's
+  ``jitter`` times the work since the last meeting, paid by the call or check;
 * **shared cores**: with more ranks on a node than cores, the ranks take turns: compute
   takes ``ranks / cores`` times as long, and every synchronizing call or check waits for its
   partners' turn on the core (the machine's measured ``shared`` cost per call).
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 from . import costs
 from .machines import Machine
 from .models import Layout, Model, StepResult, describe, run_step
-from .program import Work
+from .ledger import Call
+from .program import Check, Work
 
 __all__ = ["Prediction", "work_seconds", "predict", "rank"]
 
@@ -128,6 +133,27 @@ def _shared_cost(table: dict[str, float], factor: float) -> float:
     return v * factor / k
 
 
+def _price(call: Call, p: int, q: int, machine: Machine, factor: float,
+           priced: dict[tuple, tuple[costs.Traffic, float]]) -> tuple[costs.Traffic, float]:
+    """One call's traffic and seconds: pympar's own time, its result's copy, the critical
+    path, the reduction, the wait for shared cores (memoized)."""
+    key = (call.primitive, p, q, call.bytes_in, call.bytes_out)
+    if key not in priced:
+        whole = (max(call.bytes_in, call.bytes_out) if call.primitive == "ring_transfer"
+                 else call.bytes_out if call.primitive == "all_gather" else call.bytes_in)
+        t = costs.traffic(call.primitive, p, q, whole)
+        seconds = machine.call_overhead
+        if p > 1:
+            reduced = call.bytes_in if call.primitive in ("all_reduce", "reduce_scatter") else 0
+            # A fresh result (unpacked from MPI's blocks where split off axis 0): all-reduces
+            # run in place, ring transfers into standing buffers.
+            copied = 0 if call.primitive in ("all_reduce", "ring_transfer") else call.bytes_out
+            seconds += (costs.seconds(t, machine, reduced) + _shared_cost(machine.shared, factor)
+                        + copied / machine.memory_bandwidth)
+        priced[key] = t, seconds
+    return priced[key]
+
+
 def predict(model: Model, layout: Layout, machine: Machine, node_size: int | None = None,
             memory: float | None = None, world_rank: int = 0) -> Prediction:
     """Predict one layout's step on ``machine``.
@@ -164,36 +190,38 @@ def predict(model: Model, layout: Layout, machine: Machine, node_size: int | Non
     mine = world_rank // node
     on_my_node = {role: sum(1 for r in g.ranks if r // node == mine)
                   for role, g in site.groups.items()}
-    compute = factor * sum(work_seconds(w, machine) for w in env.work)
-    comm = 0.0
+    # Ranks busy on the node's other cores slow this one's work (caches, memory bandwidth).
+    slower = factor * (machine.corun if on_node > 1 else 1.0)
+    compute = comm = checks = since_sync = 0.0
     priced: dict[tuple, tuple[costs.Traffic, float]] = {}  # a ring repeats its calls
-    for call in env.calls:
-        p, q = site.size(call.role), on_my_node[call.role]
-        key = (call.primitive, p, q, call.bytes_in, call.bytes_out)
-        if key not in priced:
-            whole = (max(call.bytes_in, call.bytes_out) if call.primitive == "ring_transfer"
-                     else call.bytes_out if call.primitive == "all_gather" else call.bytes_in)
-            t = costs.traffic(call.primitive, p, q, whole)
-            reduced = call.bytes_in if call.primitive in ("all_reduce", "reduce_scatter") \
-                and p > 1 else 0
-            priced[key] = t, (machine.call_overhead + costs.seconds(t, machine, reduced)
-                              + (_shared_cost(machine.shared, factor) if p > 1 else 0.0))
-        t, seconds = priced[key]
-        comm += seconds
-        name = f"{call.role} {call.primitive}"
-        pred.by_operation[name] = pred.by_operation.get(name, 0.0) + seconds
-        if call.primitive == "ring_transfer":  # one message, when this rank sends
-            pred.messages += int(call.bytes_in > 0)
-            pred.bytes_sent += call.bytes_in
+    for event in env.timeline:
+        if isinstance(event, Work):
+            seconds = slower * work_seconds(event, machine)
+            compute += seconds
+            since_sync += seconds
+            continue
+        p, q = site.size(event.role), on_my_node[event.role]
+        # Meeting the other ranks waits for the slowest: a share of the work since the
+        # last meeting (the machine's jitter).
+        wait = machine.jitter * since_sync if p > 1 else 0.0
+        if p > 1:
+            since_sync = 0.0
+        if isinstance(event, Check):
+            seconds = (wait + costs.check_seconds(event.kind, p, q, machine)
+                       + _shared_cost(machine.shared_check, factor))
+            checks += seconds
+            name = f"{event.role} checks"
         else:
-            pred.messages += t.messages
-            pred.bytes_sent += t.nbytes
-    checks = 0.0
-    for c in env.checks:
-        seconds = (costs.check_seconds(c.kind, site.size(c.role), on_my_node[c.role], machine)
-                   + _shared_cost(machine.shared_check, factor))
-        checks += seconds
-        name = f"{c.role} checks"
+            t, seconds = _price(event, p, q, machine, factor, priced)
+            seconds += wait
+            comm += seconds
+            name = f"{event.role} {event.primitive}"
+            if event.primitive == "ring_transfer":  # one message, when this rank sends
+                pred.messages += int(event.bytes_in > 0)
+                pred.bytes_sent += event.bytes_in
+            else:
+                pred.messages += t.messages
+                pred.bytes_sent += t.nbytes
         pred.by_operation[name] = pred.by_operation.get(name, 0.0) + seconds
     pred.seconds = {"compute": compute, "communication": comm, "checks": checks,
                     "step": compute + comm + checks}
