@@ -181,5 +181,5 @@ def machine(name: str) -> Machine:
     if name.endswith(".json") and Path(name).is_file():
         return load_this(name)
     raise ValueError(f"unknown machine {name!r}: choose this, {', '.join(PRESETS)}, or a "
-                     f"JSON file written by python -m pympar plan --calibrate --out FILE")
+                     f"JSON file written by python -m pympar.plan.calibrate --out FILE")
 
