@@ -90,8 +90,8 @@ def units(plan: Plan, direction: str) -> list[tuple[Axis, int]]:
 def poisoned(plan: Plan, direction: str, done: int, error: Exception,
              started: list[MPI.Request]) -> None:
     """After a short face (a neighbour's poison) or an MPI error in message unit ``done - 1``
-    of the call, whose requests are ``started``: complete those (an MPI may return from the wait at the
-    first error), poison every later unit, then raise
+    of the call, whose requests are ``started``: complete those (an MPI may return from the
+    wait at the first error), poison every later unit, then raise
     :class:`~pympar.errors.PeerEndedError`."""
     settle(started)
     later = units(plan, direction)[done:]

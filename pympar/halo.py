@@ -112,18 +112,17 @@ def _poisoned(plan: Plan, requests: list[MPI.Prequest], error: Exception) -> Non
         plan.drop()
 
 
-def _settled(requests: list[MPI.Request], datatype: MPI.Datatype, face: int) -> None:
-    """Wait for ``requests``, a receive of ``face`` elements of ``datatype`` first; raise
-    :class:`~pympar._halo_check.Poison` when it brought fewer (a neighbour's poison). On an
-    MPI error complete every one of them before raising it (an MPI may return from the wait
-    at the first error)."""
-    status = MPI.Status()
+def _settled(requests: list[MPI.Request], receipt: Receipt) -> None:
+    """Wait for ``requests`` (statuses into ``receipt``); raise
+    :class:`~pympar._halo_check.Poison` when a receive came short (a neighbour's poison).
+    On an MPI error complete every one of them before raising it (an MPI may return from
+    the wait at the first error)."""
     try:
-        _waitall(requests, [status, MPI.Status()])
+        _waitall(requests, receipt.statuses)
     except MPI.Exception:
         _halo_check.settle(requests)
         raise
-    if status.Get_source() != MPI.PROC_NULL and status.Get_elements(datatype) < face:
+    if receipt.short():
         raise Poison("a neighbour sent no face")
 
 
@@ -482,11 +481,14 @@ class HaloExchange:
             return
         incoming = plan.buffer(ax, receiving)
         comm = ax.comm
+        # The receive (first of the two requests) must bring the whole face, if any is due.
+        receipt = Receipt(2, [] if source == MPI.PROC_NULL else
+                          [(0, plan.mpi_type, incoming.size)])
         if plan.numpy and not plan.packs[ax.axis, sending]:
             # (the adjoint) send in place, receive whole to add
             _settled([comm.Irecv([incoming, plan.mpi_type], source, tag),
                       comm.Isend([padded, 1, plan.datatype(ax, sending)], dest, tag)],
-                     plan.mpi_type, incoming.size)
+                     receipt)
         else:
             outgoing = plan.buffer(ax, sending)
             outgoing[...] = padded[send]
@@ -494,7 +496,7 @@ class HaloExchange:
                                     else backend.to_wire(outgoing, incoming))
             _settled([comm.Irecv([wire_recv, plan.mpi_type], source, tag),
                       comm.Isend([wire_send, plan.mpi_type], dest, tag)],
-                     plan.mpi_type, incoming.size)
+                     receipt)
             if not plan.numpy:
                 backend.from_wire(incoming, wire_recv)
         if source == MPI.PROC_NULL:
