@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend
+from ._halo_tuning import Tuning, tune_from
 
 __all__ = ["UP", "DOWN", "FACES", "Axis", "Plan", "Receipt", "widths", "count"]
 
@@ -61,6 +62,8 @@ def widths(width: Any, ndim: int) -> tuple[tuple[int, int], ...]:
 #: 5 (2 ranks, faces of 16 KiB to 1 MiB) moved faces of runs up to 512 B 1.2-10x faster
 #: packed, and of runs of 1 KiB and more 1.4-10x faster as datatypes; Open MPI 4.1 and 5
 #: moved runs of 8-16 B 2-4x faster packed, and longer ones about as fast either way.
+#: Runs from ``_halo_tuning.TUNE_FROM`` on are timed both ways by an exchange's first calls;
+#: this rule is where the trial starts and what the adjoint (never timed) keeps.
 PACK_BELOW = {"MPICH": 1024}
 PACK_BELOW_OTHERS = 32
 
@@ -290,19 +293,27 @@ class Plan:
         up_to = off_node_datatype_up_to(halo.faces) if self.numpy else 0
         off_node = {a: set(board.remote) for a, _, board in halo._checks}
 
-        def packs(ax: Axis, name: str) -> bool:
+        tune = tune_from(halo.faces) if self.numpy else math.inf
+
+        def runs(ax: Axis, name: str) -> float:
+            """The face's runs (bytes); 0 where it travels in place or as a datatype
+            whatever its runs (contiguous, or small and to another node)."""
             region = getattr(ax, name)
             if _contiguous(region, shape):
-                return False
+                return 0
             peer = ax.upper if name in ("send_up", "recv_hi") else ax.lower
             if peer in off_node.get(ax.axis, ()) \
                     and count(region, shape) * x.dtype.itemsize <= up_to:
-                return False
-            return _split_runs(region, shape, x.dtype.itemsize)[2] < below
+                return 0
+            return _split_runs(region, shape, x.dtype.itemsize)[2]
 
-        self.packs = {(ax.axis, name): packs(ax, name) for ax in self.axes
-                      if ax.comm is not None
-                      for name in ("send_up", "recv_lo", "send_down", "recv_hi")}
+        faces = {(ax.axis, name): runs(ax, name) for ax in self.axes if ax.comm is not None
+                 for name in ("send_up", "recv_lo", "send_down", "recv_hi")}
+        self.packs = {face: 0 < run < below for face, run in faces.items()}
+        # Faces of long runs: the first exchanges time both ways (see _halo_tuning).
+        uncertain = [face for face, run in faces.items() if run >= tune]
+        self.tuning = Tuning(uncertain) if uncertain else None
+        self.tuned: bool | None = None  # the way the trial chose: packed, or datatypes
         self.types: dict[tuple[int, str], MPI.Datatype] = {}
         self.buffers: dict[Any, Any] = {}
         self.signatures: dict[str | None, int] = {}  # the agreement key's, per label

@@ -23,12 +23,14 @@ memory by address and released when the array goes). A NumPy face that is one co
 of the padded array travels in place as a plain buffer; any other (a split later axis,
 leading axes) as an MPI subarray datatype of the padded array (``faces="subarray"``) or
 packed into a reused contiguous buffer (``faces="packed"``). The default, ``faces="auto"``,
-packs a face whose contiguous runs are short and sends the others as subarray datatypes:
-under MPICH runs shorter than 1 KiB (its datatype engine moved them up to 10x slower than a
-copy and a plain send, and longer runs up to 10x faster than packed), under other MPIs runs
-shorter than 32 B (``_halo_plan.PACK_BELOW``); under MPICH a face of at most 16 KiB to or
-from a neighbour on another node always goes as a datatype (its network module packs so
-small a message once, into its own buffer: ``_halo_plan.OFF_NODE_DATATYPE_UP_TO``). CuPy
+packs a face whose contiguous runs are short (under MPICH shorter than 512 B, which its
+datatype engine moved up to 10x slower than a copy and a plain send; under other MPIs
+shorter than 32 B) and times both ways for the others: the first ten exchanges of a plan go
+all datatypes and all packed in turn, and it keeps the faster (``pympar._halo_tuning``:
+under MPICH runs of 1 KiB went 1.4x faster as datatypes in one job and 1.8x faster packed
+in another, on one machine). Under MPICH a face of at most 16 KiB to or from a neighbour on
+another node always goes as a datatype (its network module packs so small a message once,
+into its own buffer: ``_halo_plan.OFF_NODE_DATATYPE_UP_TO``). CuPy
 faces are always packed, and go to MPI as :mod:`pympar.collectives` sends device buffers:
 directly when
 :func:`pympar.backend.cuda_aware`, else through pinned host buffers. Along an axis a rank
@@ -140,9 +142,11 @@ class HaloExchange:
     faces : {"auto", "subarray", "packed"}, default "auto"
         How NumPy faces that are not one contiguous run of the padded array reach MPI: as
         subarray datatypes of the padded array, or copied through reused contiguous
-        buffers; ``"auto"``: packed where their contiguous runs are short (under 1 KiB with
-        MPICH, 32 B with other MPIs), else as datatypes, and as datatypes under MPICH when
-        they are at most 16 KiB and cross a node (see the module docstring).
+        buffers; ``"auto"``: packed where their contiguous runs are short (under 512 B with
+        MPICH, 32 B with other MPIs), else the faster way of the two, timed on the first
+        exchanges of each array shape (each rank decides for its own faces; the ghosts are
+        right either way), and as datatypes under MPICH when they are at most 16 KiB and
+        cross a node (see the module docstring).
         Contiguous faces always travel in place; CuPy faces are always packed.
 
     Attributes
@@ -322,7 +326,7 @@ class HaloExchange:
                 return padded
         plan = self._plan(padded, "exchange")
         self._exchange(plan, padded)
-        if plan.direct and plan.requests_on is padded:
+        if plan.direct and plan.requests_on is padded and plan.tuning is None:
             _, _, name, _, sig = self._last
             self._ready = (padded, name, plan.shape, plan.dtype, sig, plan, plan.ops)
         return padded
@@ -426,14 +430,20 @@ class HaloExchange:
     def _exchange(self, plan: Plan, padded: Any) -> None:
         recording = stats.is_recording()
         if plan.direct:  # NumPy: the program, axis after axis while recording
+            tuning = plan.tuning
+            if tuning is not None:  # a trial exchange (see _halo_tuning), timed
+                tuning.begin(plan)
             ops = plan.program(padded)
+            trial = time.perf_counter() if tuning is not None else 0.0
             if not recording:
                 _run(plan, ops)
-                return
-            for ax, start, stop in plan.spans:
-                began = time.perf_counter()
-                _run(plan, ops[start:stop])
-                _account(ax, "halo.exchange", began)
+            else:
+                for ax, start, stop in plan.spans:
+                    began = time.perf_counter()
+                    _run(plan, ops[start:stop])
+                    _account(ax, "halo.exchange", began)
+            if tuning is not None:
+                tuning.record(plan, time.perf_counter() - trial)
             return
         done = 0  # message units made (see _halo_check.units): two per axis with a comm
         try:

@@ -22,12 +22,15 @@ from pympar.debug import CollectiveMismatchError
 from pympar.errors import PeerEndedError
 from pympar.decomposition import Decomposition
 from pympar.halo import HaloExchange
+from pympar import _halo_plan, _halo_tuning
 
 P = WORLD.Get_size()
 PX = 2 if P % 2 == 0 else 1
 PY = P // PX
 LAYOUTS = ["axis0", "axis1", "grid"]
 FACES = ["auto", "subarray", "packed"]
+#: Exchanges of a plan after which faces="auto" has settled how its faces travel.
+TRIAL_CALLS = 2 * (_halo_tuning.ROUNDS + 1)
 PERIODIC = [pytest.param((False, False), id="walls"), pytest.param((True, True), id="torus"),
             pytest.param((True, False), id="channel")]
 
@@ -277,15 +280,17 @@ def test_every_numpy_exchange_runs_its_program(mesh, layout, periodic, faces):
     want = my_padded_block(padded_reference(full, halo.widths, periodic), d, halo.widths)
     inside = halo.forward(np.ones((3, *d.local_shape))) != 0
     pad = halo.empty((3,))
-    for call in range(3):
+    for call in range(TRIAL_CALLS + 2):
         pad[...] = -7.0
         halo.inner(pad)[...] = d.take(full)
         halo.exchange(pad)
         assert_equal(pad[inside], want[inside], f"exchange, call {call}")
         agree(bool((pad[~inside] == -7).all()), f"call {call}: outer ghosts were written")
-        ready = halo._ready
-        agree(ready is not None and ready[0] is pad and ready[-1] is ready[5].ops,
-              f"call {call}: the exchange left its program")
+        plan, ready = halo._last[3], halo._ready
+        timed = plan.tuning is not None or plan.tuned is not None
+        if not timed or call >= TRIAL_CALLS:  # not (or no longer) on trial
+            agree(plan.tuning is None and ready is not None and ready[0] is pad
+                  and ready[-1] is ready[5].ops, f"call {call}: the exchange left its program")
     halo.free()
 
 
@@ -295,29 +300,73 @@ def test_every_numpy_exchange_runs_its_program(mesh, layout, periodic, faces):
 def test_which_faces_go_packed(mesh, faces, last):
     """A 3-D field split along its first axis: its faces are runs of ``last`` cells (16 B,
     2 KiB). 'packed' packs them, 'subarray' sends them as datatypes, 'auto' packs runs
-    shorter than this MPI's threshold, but for faces small enough to go as datatypes to a
-    neighbour on another node (two emulated nodes); the ghosts are right either way."""
-    from pympar import _halo_plan
-
+    shorter than this MPI's threshold and times both ways for runs from its tuning length
+    on (all faces one way per call, in turn, then the faster), but for faces small enough
+    to go as datatypes to a neighbour on another node (two emulated nodes); the ghosts are
+    right in every call, the trial's included."""
     shape = (2 * P, 5, last)
     d = Decomposition(shape, {0: mesh["xy"]}, True)
     halo = HaloExchange(d, 1, faces=faces)
     full = field(shape, seed=14)
     want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
-    assert_equal(halo.forward(d.take(full)), want, "forward")
-    packs = halo._last[3].packs
     run, face = 8 * last, 8 * 5 * last
     off_node = set(halo._checks[0][2].remote)
     lower, upper = d.neighbours(0)
-    expected = {(0, name): {"packed": True, "subarray": False,
-                            "auto": run < _halo_plan.pack_below("auto") and not (
-                                peer in off_node
-                                and face <= _halo_plan.off_node_datatype_up_to("auto"))}[faces]
-                for name, peer in (("send_up", upper), ("recv_hi", upper),
-                                   ("send_down", lower), ("recv_lo", lower))}
-    agree(packs == expected, f"{faces}, runs of {run} B, neighbours on other nodes "
-          f"{sorted(off_node)}: packed {packs}")
+    fixed = {name: peer in off_node and face <= _halo_plan.off_node_datatype_up_to(faces)
+             for name, peer in (("send_up", upper), ("recv_hi", upper),
+                                ("send_down", lower), ("recv_lo", lower))}
+    timed = faces == "auto" and run >= _halo_tuning.tune_from(faces)
+    ways = []
+    for call in range(TRIAL_CALLS + 1):
+        assert_equal(halo.forward(d.take(full)), want, f"forward, call {call}")
+        plan = halo._last[3]
+        ways.append({name: plan.packs[0, name] for name in fixed})
+    expected = {name: False if fixed[name] else
+                {"packed": True, "subarray": False,
+                 "auto": run < _halo_plan.pack_below(faces)}[faces] for name in fixed}
+    if timed and not all(fixed.values()):
+        agree(plan.tuning is None and plan.tuned in (True, False),
+              f"runs of {run} B: settled after {TRIAL_CALLS} calls: {plan.tuned}")
+        expected = {name: False if fixed[name] else plan.tuned for name in fixed}
+        # (the last trial call leaves the way it settled on)
+        trial = [{name: False if fixed[name] else bool(call % 2) for name in fixed}
+                 for call in range(TRIAL_CALLS - 1)] + [expected] * 2
+        agree(ways == trial, f"runs of {run} B: the trial's ways {ways}")
+    else:
+        agree(plan.tuning is None and all(w == expected for w in ways),
+              f"{faces}, runs of {run} B: no trial, packed {ways}")
+    agree(ways[-1] == expected, f"{faces}, runs of {run} B, neighbours on other nodes "
+          f"{sorted(off_node)}: packed {ways[-1]}, expected {expected}")
     halo.free()
+
+
+@pytest.mark.skipif(P == 1, reason="needs a neighbour")
+def test_ranks_that_settle_on_different_ways_exchange_right(mesh):
+    """Each rank settles alone how its faces travel: with the even ranks' faces packed and
+    the odd ranks' as datatypes (and the other way round), every ghost is right."""
+    shape = (2 * P, 6, 200)  # runs of 1,600 B: timed both ways
+    d = Decomposition(shape, {0: mesh["xy"]}, True)
+    full = field(shape, seed=15)
+    for even in (True, False):
+        halo = HaloExchange(d, 1)
+        want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
+                               halo.widths)
+        pad = halo.empty()
+        halo.inner(pad)[...] = d.take(full)
+        halo.exchange(pad)
+        plan = halo._last[3]
+        packed = (WORLD.rank % 2 == 0) is even
+        plan.tuning = None
+        for key in plan.packs:
+            plan.packs[key] = packed
+        plan.free_requests()
+        halo._ready = None  # (it held the program just freed)
+        for call in range(3):
+            pad[...] = -1.0
+            halo.inner(pad)[...] = d.take(full)
+            halo.exchange(pad)
+            assert_equal(pad, want, f"even ranks packed: {even}, call {call}")
+        halo.free()
 
 
 def test_the_wrap_of_an_axis_held_alone_makes_no_temporary(mesh):
@@ -333,7 +382,8 @@ def test_the_wrap_of_an_axis_held_alone_makes_no_temporary(mesh):
     want = my_padded_block(padded_reference(full, halo.widths, d.periodic), d, halo.widths)
     pad = halo.empty()
     halo.inner(pad)[...] = d.take(full)
-    halo.exchange(pad)
+    for _ in range(TRIAL_CALLS + 1):  # faces="auto" settles its way (_halo_tuning)
+        halo.exchange(pad)
 
     def grown(call) -> int:
         tracemalloc.start()
