@@ -18,7 +18,6 @@ exchange correctly.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from mpi4py import MPI
@@ -32,7 +31,7 @@ TUNE_FROM = {"MPICH": 512}
 TUNE_FROM_OTHERS = 32
 
 #: Timed exchanges each way, after one untimed each (its first touch of the buffers).
-ROUNDS = 4
+ROUNDS = 6
 
 
 def tune_from(faces: str) -> float:
@@ -45,7 +44,7 @@ def tune_from(faces: str) -> float:
 class Tuning:
     """The trial of one plan's uncertain faces (keys of ``Plan.packs``): they travel all as
     datatypes or all packed, in turn, exchange after exchange, ``ROUNDS`` timed exchanges
-    each way after one untimed each; then they keep the way whose median was shorter.
+    each way after one untimed each; then they keep the way of the shortest exchange.
 
     ``begin`` sets the way of the next exchange (dropping the plan's programs, which hold
     the other way's requests); ``record`` takes its time, and settles the plan when the
@@ -68,7 +67,8 @@ class Tuning:
             self.seconds[self.calls % 2].append(seconds)
         self.calls += 1
         if self.calls == 2 * (ROUNDS + 1):
-            datatypes, packed = (statistics.median(s) for s in self.seconds)
+            # the shortest: other work on the machine only ever adds to a time
+            datatypes, packed = (min(s) for s in self.seconds)
             plan.tuned = packed < datatypes
             self._use(plan, plan.tuned)
             if not plan.tuned:  # the trial's packing buffers

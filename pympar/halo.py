@@ -25,7 +25,7 @@ leading axes) as an MPI subarray datatype of the padded array (``faces="subarray
 packed into a reused contiguous buffer (``faces="packed"``). The default, ``faces="auto"``,
 packs a face whose contiguous runs are short (under MPICH shorter than 512 B, which its
 datatype engine moved up to 10x slower than a copy and a plain send; under other MPIs
-shorter than 32 B) and times both ways for the others: the first ten exchanges of a plan go
+shorter than 32 B) and times both ways for the others: the first 14 exchanges of a plan go
 all datatypes and all packed in turn, and it keeps the faster (``pympar._halo_tuning``:
 under MPICH runs of 1 KiB went 1.4x faster as datatypes in one job and 1.8x faster packed
 in another, on one machine). Under MPICH a face of at most 16 KiB to or from a neighbour on
