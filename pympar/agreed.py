@@ -444,6 +444,9 @@ SETTINGS: dict[str, Agreed] = {
                                 "through host memory: the data moved are the same"),
     "PYMPAR_STOP_FILE": _local("the file this rank watches; Preemption.should_stop agrees "
                                "the verdict, so every rank stops together"),
+    "PYMPAR_PLAN_MACHINE": _local("where the layout planner keeps this machine's "
+                                  "calibration: the planner runs before any job and "
+                                  "communicates nothing"),
 }
 
 _SERIAL = "a serial layer: communicates nothing"

@@ -24,7 +24,9 @@ def row(model, ranks, layout, place, predicted, measured):
             "error": (predicted - measured) / measured}
 
 
-def test_cases_cover_every_small_layout_and_the_top_three_on_eight_ranks():
+def test_cases_cover_every_small_layout_and_the_top_three_on_eight_ranks(monkeypatch):
+    from pympar.plan.machines import REFERENCE_FILE
+    monkeypatch.setenv("PYMPAR_PLAN_MACHINE", str(REFERENCE_FILE))  # 'this', calibrated
     cases = bench_plan.cases(8, 0)
     small = [c for c in cases if c["ranks"] <= 2]
     assert {(c["model"], c["ranks"]) for c in small} == {("burgers", 1), ("burgers", 2),

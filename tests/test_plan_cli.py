@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,15 +32,21 @@ def plan(capsys, *argv: str) -> tuple[int, str, str]:
     return status, out, err
 
 
-def test_the_command_line_ranks_every_layout_that_fits_on_8_ranks():
+def test_the_command_line_ranks_every_layout_that_fits_on_8_ranks(tmp_path):
+    """On 'this' machine, calibrated (here: the calibration of pympar's own figures, put
+    where $PYMPAR_PLAN_MACHINE says)."""
+    from pympar.plan.machines import REFERENCE_FILE
+    calibrated = tmp_path / "calibrated.json"
+    calibrated.write_text(REFERENCE_FILE.read_text())
     found = subprocess.run([sys.executable, "-m", "pympar", "plan", "--model", "burgers",
                             "--ranks", "8", "--machine", "this"], capture_output=True,
-                           text=True, cwd=REPO, timeout=300)
+                           text=True, cwd=REPO, timeout=300,
+                           env={**os.environ, "PYMPAR_PLAN_MACHINE": str(calibrated)})
     assert found.returncode == 0, found.stderr
     lines = found.stdout.splitlines()
     model = BurgersModel()
     fit = sum(model.unfit(layout) is None for layout in model.layouts(8))
-    assert lines[0].startswith("burgers on 8 ranks, machine this: ")
+    assert lines[0].startswith("burgers on 8 ranks, machine vm: ")
     assert lines[1].startswith(f"{fit} layouts fit, fastest first")
     ranked = ranked_rows(found.stdout)
     assert [int(line.split()[0]) for line in ranked] == list(range(1, fit + 1))
@@ -97,3 +104,23 @@ def test_plot_draws_the_best_layouts_against_ranks(capsys, tmp_path):
 def test_amounts_of_memory():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2 GiB") == 2 * 2**30
     assert parse_bytes("4e9") == 4e9 and parse_bytes("1kb") == 1000
+
+
+def test_this_machine_lives_in_the_users_cache_and_must_be_calibrated(capsys, tmp_path,
+                                                                      monkeypatch):
+    """'this' is read from (and --calibrate writes to) the user's cache, or
+    $PYMPAR_PLAN_MACHINE, never the package; not calibrated, it is refused in one line that
+    names the command; 'vm' is the machine of pympar's own figures."""
+    from pympar.plan import machines
+    monkeypatch.delenv("PYMPAR_PLAN_MACHINE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert machines.this_file() == tmp_path / "cache" / "pympar" / "this_machine.json"
+    status, out, err = plan(capsys, "--ranks", "2")
+    assert status == 2 and not out and len(err.splitlines()) == 1
+    assert "machine 'this' is not calibrated" in err and "plan --calibrate" in err
+    monkeypatch.setenv("PYMPAR_PLAN_MACHINE", str(tmp_path / "mine.json"))
+    assert machines.this_file() == tmp_path / "mine.json"
+    (tmp_path / "mine.json").write_text(machines.REFERENCE_FILE.read_text())
+    assert machines.machine("this") == machines.machine("vm")
+    package = Path(machines.__file__).resolve().parent
+    assert machines.machine("vm").name == "vm" and machines.REFERENCE_FILE.parent == package

@@ -46,7 +46,7 @@ def test_messages_bytes_and_round_trips_follow_the_table(primitive, name, p, n, 
     assert (t.intra_rounds, t.inter_rounds) == (rounds, 0)
 
 
-def test_algorithms_follow_mpichs_thresholds():
+def test_algorithms_follow_the_models_thresholds():
     assert costs.algorithm("all_reduce", 8, 2048) == "recursive doubling"
     assert costs.algorithm("all_reduce", 8, 2049) == "Rabenseifner"
     assert costs.algorithm("all_reduce", 6, 2**20) == "recursive doubling"  # not a power of 2
@@ -102,7 +102,7 @@ def test_canonical_labels_drop_the_settings():
 def test_machines_by_name_and_json():
     assert machine("hdr") is PRESETS["hdr"]
     assert Machine.from_json(FLAT.to_json()) == FLAT
-    with pytest.raises(ValueError, match="unknown machine 'x': choose this, hdr, 25gbe, gpu"):
+    with pytest.raises(ValueError, match="unknown machine 'x': choose this, vm, hdr, 25gbe, gpu"):
         machine("x")
 
 

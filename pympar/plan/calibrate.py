@@ -3,11 +3,12 @@
 Without a launcher it measures the local work on one rank (inside the examples' own loops,
 :mod:`pympar.plan.in_examples`, where they are at hand, else :mod:`pympar.plan.kernels`) and
 how much slower it runs beside another busy rank, then starts short ``mpiexec`` jobs of this
-module on 2 ranks (one per core: the links, pympar's time per call and per check, how far
-apart ranks arrive after equal work) and on 4 and 8 ranks (ranks sharing the cores: what
-each synchronizing call costs on top), and writes everything as a
-:class:`~pympar.plan.machines.Machine` (``pympar/plan/this_machine.json`` by default). About a
-minute on two cores. Under ``mpiexec`` it is one of those jobs (``--part comm``).
+module on 2 ranks (the links, pympar's time per call and per check, how far apart ranks
+arrive after equal work) and on 2 and 4 ranks per core (ranks sharing the cores: what each
+synchronizing call costs on top; 4 and 8 ranks on two cores), and writes everything as a
+:class:`~pympar.plan.machines.Machine` (to :func:`~pympar.plan.machines.this_file` by default:
+the user's cache, never the package). About a minute on two cores. Under ``mpiexec`` it is
+one of those jobs (``--part links``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .machines import THIS_FILE, Link, Machine
+from .machines import Link, Machine, this_file
 
 __all__ = ["calibrate", "measure_links", "main"]
 
@@ -114,8 +115,9 @@ def _node_memory() -> float:
     return 8 * 2.0**30
 
 
-def calibrate(out: Path | str = THIS_FILE) -> Machine:
-    """Measure this machine and write its :class:`Machine` to ``out``; return it."""
+def calibrate(out: Path | str | None = None) -> Machine:
+    """Measure this machine and write its :class:`Machine` to ``out`` (default:
+    :func:`~pympar.plan.machines.this_file`); return it."""
     from threadpoolctl import threadpool_limits
     from . import in_examples, kernels
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -150,7 +152,9 @@ def calibrate(out: Path | str = THIS_FILE) -> Machine:
                   "mpi": MPI.Get_library_version().splitlines()[0].strip(),
                   "load_average": round(load, 2), "links": links,
                   "command": "python -m pympar plan --calibrate"})
-    Path(out).write_text(machine.to_json())
+    out = Path(out) if out is not None else this_file()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(machine.to_json())
     return machine
 
 
@@ -166,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         if MPI.COMM_WORLD.Get_rank() == 0 and args.out:
             Path(args.out).write_text(json.dumps(figures))
         return 0
-    machine = calibrate(args.out or THIS_FILE)
-    print(f"wrote {args.out or THIS_FILE}: latency {machine.intra.latency * 1e6:.2f} us, "
+    machine = calibrate(args.out)
+    print(f"wrote {args.out or this_file()}: latency {machine.intra.latency * 1e6:.2f} us, "
           f"{machine.intra.bandwidth / 1e9:.2f} GB/s, check {machine.check_intra * 1e6:.2f} "
           f"us, {len(machine.kernels)} kinds of work")
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import fields
@@ -81,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable)")
     parser.add_argument("--ranks", type=int, default=None, help="ranks of the job")
     parser.add_argument("--machine", default="this",
-                        help=f"this (measured), {', '.join(PRESETS)}, or a calibration JSON")
+                        help=f"this (measured here by --calibrate), vm (the machine of "
+                             f"pympar's own figures), {', '.join(PRESETS)}, or a calibration "
+                             f"JSON")
     parser.add_argument("--node-size", type=int, default=None, metavar="RANKS",
                         help="ranks per node (default: the machine's; this: all on one)")
     parser.add_argument("--memory", default=None, metavar="BYTES",
@@ -93,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plot predicted step time against ranks for the 3 best layouts "
                              "(needs matplotlib)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine (about a minute) and store it as 'this'")
+                        help="measure this machine (about a minute) and store it as 'this' "
+                             "(in the user's cache, or $PYMPAR_PLAN_MACHINE)")
 
 
 def _show_bytes(n: float) -> str:
@@ -126,12 +130,21 @@ def table(fitting: list[Any], unfit: list[Any]) -> str:
     return "\n".join(lines)
 
 
+#: Rank counts tried on each side of one that no layout takes (each costs a ranking).
+_NEARBY_TRIES = 64
+
+
 def _nearby(model: Any, ranks: int) -> str:
-    """Rank counts near ``ranks`` that some layout of ``model`` takes."""
+    """Rank counts near ``ranks`` that some layout of ``model`` takes: the nearest within
+    :data:`_NEARBY_TRIES` on each side, then powers of two (a bounded search, whatever
+    ``ranks``)."""
     def fits(n: int) -> bool:
-        return any(model.unfit(layout) is None for layout in model.layouts(n))
-    below = next((n for n in range(ranks - 1, 0, -1) if fits(n)), None)
-    above = next((n for n in range(ranks + 1, 4 * ranks + 2) if fits(n)), None)
+        return n >= 1 and any(model.unfit(layout) is None for layout in model.layouts(n))
+    powers = [2**k for k in range(ranks.bit_length() + 2)]
+    below = next((n for n in [*range(ranks - 1, max(ranks - _NEARBY_TRIES, 0), -1),
+                              *reversed([q for q in powers if q < ranks])] if fits(n)), None)
+    above = next((n for n in [*range(ranks + 1, ranks + _NEARBY_TRIES),
+                              *[q for q in powers if q > ranks]] if fits(n)), None)
     return " or ".join(str(n) for n in (below, above) if n is not None) or "none near"
 
 
@@ -142,7 +155,7 @@ def _no_fit(model: Any, ranks: int, unfit: list[Any]) -> str:
         least = min(memory, key=lambda p: p.memory["total"])
         return (f"no layout of {model.name} fits on {ranks} ranks in the memory per rank: the "
                 f"smallest, {least.text}, needs {_show_bytes(least.memory['total'])} "
-                f"(give --memory {least.memory['total'] / 2**20:.0f}MiB or more)")
+                f"(give --memory {math.ceil(least.memory['total'] / 2**20)}MiB or more)")
     reasons = sorted({p.reason for p in unfit if p.reason})
     return (f"no layout of {model.name} takes {ranks} ranks ({'; '.join(reasons[:3])}): "
             f"{_nearby(model, ranks)} ranks would")

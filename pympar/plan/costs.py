@@ -17,13 +17,21 @@ all-to-all          pairwise              p-1          p-1                 n (p-
 all-to-all          Bruck                 log2 p       log2 p              n/2 log2 p
 broadcast           binomial tree         log2 p       <= log2 p           n per message
 ring transfer       one neighbour         1            1                   n
-halo exchange       neighbours, per axis  1 per axis   2 per split axis    the faces
+halo face           one neighbour         1            1                   the face
 ==================  ====================  ===========  ==================  =================
 
 ``n`` is the whole vector: the all-reduce's input, the all-gather's result, the
-reduce-scatter's input, this rank's all-to-all input. :func:`algorithm` picks as MPICH's
-defaults do (recursive doubling for short all-reduces and all-gathers, Rabenseifner and ring
-for long ones, Bruck for all-to-alls of small blocks, pairwise otherwise). Round ``k`` of a
+reduce-scatter's input, this rank's all-to-all input, one halo face (an exchange sends two
+faces per split axis: :mod:`pympar.plan.scaling` prices it face by face).
+:func:`algorithm` picks by a simplified version of MPICH's classic (3.x) rules: recursive
+doubling for short all-reduces and all-gathers, Rabenseifner and ring for long ones, Bruck
+for all-to-alls of small blocks, pairwise otherwise. MPICH 4 and 5 choose from a tuning
+table instead (the 5.0.2 wheel: Rabenseifner for all-reduces from 8 B on a power of two of
+ranks, Bruck for all-gathers that are not, a scattered all-to-all for blocks of 256 B to
+32 KiB, and node-aware compositions across nodes), which this model does not follow. The
+counts of calls and bytes per group that the tests compare with the recorders do not depend
+on the choice; the round trips and the bytes on each link do, and only the measured step
+times (``benchmarks/bench_plan.py``) check those, on one node. Round ``k`` of a
 recursive algorithm pairs ranks ``2**k`` apart, nearest first (recursive doubling's pieces
 grow, halving's shrink): with ranks packed ``q`` to a node, its first ``log2 q`` rounds stay
 in the node and the last ``log2 m`` cross it, every rank of the node at once (they share the
@@ -49,7 +57,8 @@ from .machines import Machine
 __all__ = ["Traffic", "algorithm", "traffic", "seconds", "check_seconds", "checkpoint_seconds",
            "SHORT_ALLREDUCE", "LONG_ALLGATHER", "SHORT_ALLTOALL_BLOCK"]
 
-#: MPICH's default thresholds (bytes): recursive doubling below, Rabenseifner above.
+#: The classic MPICH thresholds (bytes; see the module docstring): recursive doubling
+#: below, Rabenseifner above.
 SHORT_ALLREDUCE = 2048
 #: All-gathers of results this large or larger go round a ring.
 LONG_ALLGATHER = 512 * 1024
@@ -95,7 +104,8 @@ def _log2(p: int) -> int:
 
 
 def algorithm(primitive: str, p: int, nbytes: float) -> str:
-    """The algorithm MPICH's defaults choose for ``primitive`` on ``p`` ranks and ``nbytes``."""
+    """The algorithm the model prices for ``primitive`` on ``p`` ranks and ``nbytes``
+    (MPICH's classic rules, simplified: see the module docstring)."""
     power = p & (p - 1) == 0
     if primitive == "all_reduce":
         return "recursive doubling" if nbytes <= SHORT_ALLREDUCE or not power else \

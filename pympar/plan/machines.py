@@ -6,9 +6,15 @@ of a reduction) and a FLOP rate for local work; the time of one agreement check 
 and pympar's own time per collective call. :data:`PRESETS` holds the named ones:
 
 ``this``
-    This machine, measured by ``python -m pympar plan --calibrate`` (stored as JSON beside this
-    module; see :mod:`pympar.plan.calibrate`): its local work per kind of layer from timings on
-    one rank, its links and its checks from short runs on 2, 4 and 8 ranks.
+    This machine, measured by ``python -m pympar plan --calibrate`` (stored as JSON in the
+    user's cache, :func:`this_file`; see :mod:`pympar.plan.calibrate`): its local work per
+    kind of layer from timings on one rank, its links and its checks from short runs on 2,
+    2 x cores and 4 x cores ranks. Not calibrated, it is refused with the command that
+    calibrates it.
+``vm``
+    The machine pympar's own figures were measured on (a 2-core VM, MPICH 5.0.2), as its
+    calibration found it (``reference_vm.json`` beside this module): the machine of the
+    committed planner benchmark and of the docs' examples.
 ``hdr``
     A CPU node of 128 cores (two 64-core sockets, 2.45 GHz, 16 channels of DDR4-3200) on
     InfiniBand HDR: 1.3 us and 23 GB/s between nodes, shared memory 0.4 us and 12 GB/s
@@ -27,13 +33,26 @@ and pympar's own time per collective call. :data:`PRESETS` holds the named ones:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["Link", "Machine", "PRESETS", "THIS_FILE", "machine", "load_this"]
+__all__ = ["Link", "Machine", "PRESETS", "REFERENCE_FILE", "this_file", "machine",
+           "load_this"]
 
-#: Where ``--calibrate`` stores this machine's figures (committed with the package).
-THIS_FILE = Path(__file__).resolve().parent / "this_machine.json"
+#: The calibration of the machine pympar's figures were measured on (the preset ``vm``).
+REFERENCE_FILE = Path(__file__).resolve().parent / "reference_vm.json"
+
+
+def this_file() -> Path:
+    """Where ``--calibrate`` stores this machine's figures and ``this`` reads them:
+    ``$PYMPAR_PLAN_MACHINE`` if set, else ``pympar/this_machine.json`` in the user's cache
+    (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    named = os.environ.get("PYMPAR_PLAN_MACHINE")
+    if named:
+        return Path(named)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "pympar" / "this_machine.json"
 
 
 @dataclass(frozen=True)
@@ -157,10 +176,10 @@ def load_this(path: Path | str | None = None) -> Machine:
     ValueError
         When no calibration exists: run ``python -m pympar plan --calibrate`` first.
     """
-    where = Path(path) if path is not None else THIS_FILE
+    where = Path(path) if path is not None else this_file()
     if not where.is_file():
         raise ValueError(f"machine 'this' is not calibrated ({where} does not exist): run "
-                         f"python -m pympar plan --calibrate, or choose one of "
+                         f"python -m pympar plan --calibrate, or choose one of vm, "
                          f"{', '.join(PRESETS)}")
     return Machine.from_json(where.read_text())
 
@@ -176,10 +195,12 @@ def machine(name: str) -> Machine:
     """
     if name == "this":
         return load_this()
+    if name == "vm":
+        return load_this(REFERENCE_FILE)
     if name in PRESETS:
         return PRESETS[name]
     if name.endswith(".json") and Path(name).is_file():
         return load_this(name)
-    raise ValueError(f"unknown machine {name!r}: choose this, {', '.join(PRESETS)}, or a "
+    raise ValueError(f"unknown machine {name!r}: choose this, vm, {', '.join(PRESETS)}, or a "
                      f"JSON file written by python -m pympar.plan.calibrate --out FILE")
 

@@ -9,6 +9,8 @@ to ``optimizer.step()``, the span their ``median_step_seconds`` times.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -161,7 +163,7 @@ def ulysses_size(layout: Layout) -> int:
     divisor ``u`` of ``cp`` with ``u * u <= cp``)."""
     if layout.ulysses:
         return layout.ulysses
-    return max(u for u in range(1, layout.cp + 1) if layout.cp % u == 0 and u * u <= layout.cp)
+    return max(u for u in range(1, math.isqrt(layout.cp) + 1) if layout.cp % u == 0)
 
 
 def transformer_unfit(layout: Layout, batch: int, sequence: int) -> str | None:

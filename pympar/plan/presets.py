@@ -8,6 +8,8 @@ with ``--hidden 8 ...``.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from .layers import GELU, Layer, LayerNorm, Linear, Param, Recompute, Sequential
@@ -259,7 +261,10 @@ class FNOModel(Model):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (pairs up to its square root: a million ranks in a
+    thousand steps)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 #: The example models by name, with the examples' defaults.
