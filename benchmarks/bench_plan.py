@@ -11,7 +11,8 @@ layouts, a few more for context, and every FNO layout. Each job's figure is the 
 own ``median_step_seconds`` (the median over its steps of ``model.zero_grad()`` to
 ``optimizer.step()``); each layout runs ``--rounds`` times, the rounds visiting the layouts in
 a new seeded order, and the median over rounds is compared with the prediction of
-``python -m pympar plan --machine this`` (the committed calibration). The targets (issue 34):
+``python -m pympar plan --machine this`` (this machine's calibration, made by ``python -m
+pympar plan --calibrate`` before the run). The targets (issue 34):
 every prediction on 1 and 2 ranks within 25 % of the measured median, and the measured order
 of the planner's top 3 Burgers layouts on 8 ranks the predicted order. Before each job the
 machine's busy fraction is measured (``--wait-quiet``: waited for to fall below 0.15) and
