@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             print(table(shown, unfit))
         if args.plot:
             _plot(model, fitting[:3], args.ranks, where, args.node_size, memory, args.plot)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # OSError: a calibration it cannot write
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0

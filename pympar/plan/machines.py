@@ -14,7 +14,7 @@ and pympar's own time per collective call. :data:`PRESETS` holds the named ones:
 ``vm``
     The machine pympar's own figures were measured on (a 2-core VM, MPICH 5.0.2), as its
     calibration found it (``reference_vm.json`` beside this module): the machine of the
-    committed planner benchmark and of the docs' examples.
+    committed planner benchmark (``benchmarks/results/plan.json``).
 ``hdr``
     A CPU node of 128 cores (two 64-core sockets, 2.45 GHz, 16 channels of DDR4-3200) on
     InfiniBand HDR: 1.3 us and 23 GB/s between nodes, shared memory 0.4 us and 12 GB/s
