@@ -140,14 +140,14 @@ def samples(steps: int = 15) -> list[Sample]:
             (short, _), (long, median) = (_fresh(name, count, flags)
                                           for count in (steps, 2 * steps))
             per_step = {kind: (long[kind] - short.get(kind, 0.0)) / steps for kind in long}
-            env = run_step(_model(name, flags), Layout()).env
+            done = run_step(_model(name, flags), Layout()).env.work
             for kind, seconds in per_step.items():
-                work = [w for w in env.work if w.kind == kind]
+                work = [w for w in done if w.kind == kind]
                 if work:
                     out.append((work, max(seconds, 0.0)))
             # The rest of the step: the work of kinds not timed (residual adds, the loss)
             # and the example's own Python, ``step.<example>``.
-            rest = [w for w in env.work if w.kind not in per_step]
+            rest = [w for w in done if w.kind not in per_step]
             out.append((rest, max(median - sum(per_step.values()), 0.0)))
     return out
 

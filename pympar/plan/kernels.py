@@ -137,9 +137,9 @@ def _in_context(net: Any, x: np.ndarray, plan: Any, env: Env, steps: int) -> lis
             net.backward(dy)
         passes.append(totals)
     plan.backward(env, plan.forward(env, env.array(x.shape)))
-    out = []
+    out, done = [], env.work
     for kind in passes[0]:
-        work = [w for w in env.work if w.kind == kind]
+        work = [w for w in done if w.kind == kind]
         if work:
             out.append((work, statistics.median(p[kind] for p in passes)))
     return out

@@ -133,10 +133,9 @@ class Env:
 
     Attributes
     ----------
-    calls, checks, work : list
-        In the order they happen.
     timeline : list
-        All three interleaved, in the order they happen (what waits for what).
+        The calls, checks and pieces of work, in the order they happen (what waits for
+        what); :attr:`calls`, :attr:`checks` and :attr:`work` are its parts.
     caches : dict
         Per layer (``id``), the arrays it holds for backward.
     peak : int
@@ -145,12 +144,24 @@ class Env:
 
     site: Site
     itemsize: int
-    calls: list[Call] = field(default_factory=list)
-    checks: list[Check] = field(default_factory=list)
-    work: list[Work] = field(default_factory=list)
     timeline: list[Call | Check | Work] = field(default_factory=list)
     caches: dict[int, tuple[Array, ...]] = field(default_factory=dict)
     peak: int = 0
+
+    @property
+    def calls(self) -> list[Call]:
+        """The collective calls, in order."""
+        return [e for e in self.timeline if type(e) is Call]
+
+    @property
+    def checks(self) -> list[Check]:
+        """The agreement checks, in order."""
+        return [e for e in self.timeline if type(e) is Check]
+
+    @property
+    def work(self) -> list[Work]:
+        """The pieces of local work, in order."""
+        return [e for e in self.timeline if type(e) is Work]
 
     # -- arrays and caches
     def array(self, shape: tuple[int, ...], itemsize: int | None = None) -> Array:
@@ -185,16 +196,13 @@ class Env:
         group = self.site.groups[role]
         if group.size == 1 and not recorded_alone:
             return
-        self.calls.append(Call(role, operation, primitive, int(bytes_in), int(bytes_out)))
-        self.timeline.append(self.calls[-1])
+        self.timeline.append(Call(role, operation, primitive, int(bytes_in), int(bytes_out)))
 
     def check(self, role: str, kind: str = "board") -> None:
         """One agreement check on the group of ``role`` (none on a group of one rank)."""
         if self.site.groups[role].size > 1:
-            self.checks.append(Check(role, kind))
-            self.timeline.append(self.checks[-1])
+            self.timeline.append(Check(role, kind))
 
     def compute(self, kind: str, flops: float, nbytes: float) -> None:
         """One piece of local work."""
-        self.work.append(Work(kind, float(flops), float(nbytes)))
-        self.timeline.append(self.work[-1])
+        self.timeline.append(Work(kind, float(flops), float(nbytes)))
