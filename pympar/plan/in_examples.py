@@ -102,13 +102,17 @@ def timed_run(name: str, steps: int, flags: list[str]) -> tuple[dict[str, float]
     return totals, metrics["median_step_seconds"]
 
 
+def _one_thread() -> dict[str, str]:
+    """This process's environment with one BLAS/OpenMP thread (as the examples run)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                MKL_NUM_THREADS="1")
+
+
 def _fresh(name: str, steps: int, flags: list[str]) -> tuple[dict[str, float], float]:
     """:func:`timed_run` in a fresh process (one BLAS thread, no launcher)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "pympar.plan.in_examples", name, str(steps),
-                           *flags], capture_output=True, text=True, env=env, check=True,
-                          timeout=600)
+                           *flags], capture_output=True, text=True, env=_one_thread(),
+                          check=True, timeout=600)
     totals, median = json.loads(done.stdout.strip().splitlines()[-1])
     return totals, median
 
@@ -116,9 +120,7 @@ def _fresh(name: str, steps: int, flags: list[str]) -> tuple[dict[str, float], f
 def corun(cores: int, steps: int = 30, rounds: int = 3) -> float:
     """How much slower the Burgers example's step runs while ``cores`` copies run side by
     side than alone: the median over ``rounds`` of the ratio of their median steps."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
-    ratios = []
+    env, ratios = _one_thread(), []
     for _ in range(rounds):
         solo = _fresh("burgers", steps, [])[1]
         runs = [subprocess.Popen([sys.executable, "-m", "pympar.plan.in_examples", "burgers",
