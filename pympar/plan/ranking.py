@@ -210,9 +210,11 @@ def predict(model: Model, layout: Layout, machine: Machine, node_size: int | Non
             seconds = (wait + costs.check_seconds(event.kind, p, q, machine)
                        + _shared_cost(machine.shared_check, factor))
             checks += seconds
+            pred.checks += 1
             name = f"{event.role} checks"
         else:
             t, seconds = _price(event, p, q, machine, factor, priced)
+            pred.calls += 1
             seconds += wait
             comm += seconds
             name = f"{event.role} {event.primitive}"
@@ -225,7 +227,6 @@ def predict(model: Model, layout: Layout, machine: Machine, node_size: int | Non
         pred.by_operation[name] = pred.by_operation.get(name, 0.0) + seconds
     pred.seconds = {"compute": compute, "communication": comm, "checks": checks,
                     "step": compute + comm + checks}
-    pred.calls, pred.checks = len(env.calls), len(env.checks)
     return pred
 
 
