@@ -4,7 +4,7 @@ Run on 4 ranks (2-stage cases use the first 2, the others wait asleep)::
 
     PYTHONPATH=. mpiexec -n 4 python benchmarks/bench_pipeline.py \\
         [--stages 2,4] [--micro 1,p,2p,4p] [--work compute,sleep] [--repeats 9] \\
-        [--width 512 --rows 384 --layers 4] [--sleep-ms 30] [--json PATH]
+        [--width 512 --rows 384 --layers 8] [--sleep-ms 60] [--json PATH]
 
 Every stage is the same: with ``--work compute``, ``--layers`` pairs of ``Linear(width,
 width)`` and ``GELU`` on micro-batches of ``--rows`` rows (float32, one BLAS thread per
@@ -17,8 +17,9 @@ interleaved rounds; its time is the slowest stage's.
 The bubble is the fraction of the step a stage spends without work. Measured two ways:
 
 * ``bubble``: ``(T - m t) / T``, ``T`` the step's time and ``t`` the time of one
-  micro-batch's forward and backward on a stage alone (the last stage's loss included;
-  each stage in turn, the others asleep), the mean over the stages, sampled in every round beside the steps; the median
+  micro-batch's forward and backward on the slowest stage alone (each stage in turn, the
+  others asleep; the last stage's loss included, which makes it the slowest: the pace of a
+  pipeline is its slowest stage's), sampled in every round beside the steps; the median
   over rounds of the round's value. Everything that is not compute counts as bubble: the
   transfers, the schedule's own work, and compute slowed down by ranks sharing a core.
 * ``idle``: ``1 - busy / T`` per stage, ``busy`` the time its forward and backward took
@@ -28,7 +29,21 @@ The bubble is the fraction of the step a stage spends without work. Measured two
 Both are compared with the ideal ``(p - 1) / (m + p - 1)`` of equal stages and free
 transfers (GPipe's and 1F1B's alike: ``scripts/draw_pipeline.py`` draws their timelines).
 The target is ``bubble`` within 10 % of the ideal at ``m = 4p``
-(``benchmarks/report_pipeline.py``). Compute on ranks that
+(``benchmarks/report_pipeline.py``).
+
+The transfers are the part of the bubble that the ideal leaves out, and their share
+depends on the stage, not on the schedule: each micro-batch sends its activation forward
+and its gradient back, ``--rows x --width`` float32 each way (768 KiB by default; about
+0.2 ms here for MPICH to move, measured with plain mpi4py), and 1F1B's steady state has
+both on its critical path. The default stage (8 layers) computes about 60 ms a
+micro-batch, so each transfer is about 0.4 % of its compute: a transformer stage (hidden
+size 4096, 8 layers, 4096 tokens a micro-batch) on GPUs sends 32 MiB for about 0.2 s of
+compute, 0.05 % over NVLink and 0.7 % over a 25 GB/s network, and a CPU stage computes
+longer still. The stage is deepened rather than widened so that two stages' weights
+(8 MiB each) still share the 32 MiB cache here without evicting each other. The full
+benchmark (``python -m pympar bench``) also runs the stage of half the compute for the
+same bytes (``--layers 4 --sleep-ms 30``, ``pipeline_small.json``), where the transfers
+are twice the share. Compute on ranks that
 share cores does not measure a schedule: with 4 stages on 2 cores two stages compute at
 once on one core, each at half speed, so those rows are not judged and ``--work sleep``
 stands in for the compute (a sleeping stage needs no core: what is left to measure is the
@@ -179,10 +194,9 @@ class Pipeline:
         mine = time.perf_counter() - start
         return self.comm.allreduce(mine, op=MPI.MAX), self.clock.busy
 
-    def alone(self, calls: int = 3) -> float:
+    def alone(self, calls: int = 3) -> list[float]:
         """One micro-batch's forward and backward (and the last stage's loss) on each
-        stage in turn, the others asleep: the mean over the stages of each one's median
-        seconds."""
+        stage in turn, the others asleep: each stage's median seconds, in stage order."""
         times = []
         for s in range(self.group.size):
             common.sleep_barrier(self.comm)
@@ -196,7 +210,7 @@ class Pipeline:
                     self.stage.backward(y)
                     times.append(time.perf_counter() - start)
         common.sleep_barrier(self.comm)
-        return float(np.mean(self.comm.allgather(common.median(times))))
+        return [float(t) for t in self.comm.allgather(common.median(times))]
 
     def free(self) -> None:
         for run in self.runs.values():
@@ -210,7 +224,7 @@ def measure(comm: MPI.Intracomm, work: str, p: int, m: int,
     ``comm``)."""
     pipe = Pipeline(comm, work, p, m, args)
     steps: dict[str, list[tuple[float, float]]] = {name: [] for name in SCHEDULES}
-    alone: list[float] = []
+    alone: list[list[float]] = []  # per round, each stage's seconds
 
     def sampler(name: str):
         def sample() -> float:
@@ -221,7 +235,7 @@ def measure(comm: MPI.Intracomm, work: str, p: int, m: int,
 
     def calibrate() -> float:
         alone.append(pipe.alone())
-        return alone[-1]
+        return max(alone[-1])
 
     samplers = {name: sampler(name) for name in SCHEDULES}
     samplers["alone"] = calibrate
@@ -230,15 +244,18 @@ def measure(comm: MPI.Intracomm, work: str, p: int, m: int,
     ideal = (p - 1) / (m + p - 1)
     out: dict[str, Any] = {"work": work, "stages": p, "micro_batches": m, "ideal": ideal,
                            "oversubscribed": bool(comm.allreduce(cores() < p, op=MPI.LOR)),
-                           "micro_batch_ms": 1e3 * common.median(alone),
-                           "alone_ms": [1e3 * a for a in alone], "schedules": {}}
+                           "micro_batch_ms": 1e3 * common.median([max(a) for a in alone]),
+                           "stage_ms": [1e3 * common.median(list(a)) for a in zip(*alone)],
+                           "alone_ms": [[1e3 * t for t in a] for a in alone],
+                           "schedules": {}}
     for name in SCHEDULES:
         timed = steps[name][args.warmup:]
         step = [s for s, _ in timed]
         # Every stage's busy seconds of each step, gathered: the idle fraction per stage.
         busy = np.array(comm.allgather([b for _, b in timed]))  # (stages, rounds)
         idle = 1.0 - busy / np.array(step)[None, :]
-        bubble = [1.0 - m * t / s for t, s in zip(alone, step)]
+        # The slowest stage sets the pace (the last one, whose work includes the loss).
+        bubble = [1.0 - m * max(a) / s for a, s in zip(alone, step)]
         out["schedules"][name] = {
             "step_ms": 1e3 * common.median(step), "samples_ms": [1e3 * s for s in step],
             "bubble": common.median(bubble), "idle": float(np.median(idle.mean(axis=0))),
@@ -285,11 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="compute,sleep",
                         help=f"what a stage does, comma-separated, of {', '.join(WORKS)}")
     parser.add_argument("--width", type=int, default=512, help="features of a layer")
-    parser.add_argument("--rows", type=int, default=384,
-                        help="rows of a micro-batch (384: about 30 ms a micro-batch, as "
+    parser.add_argument("--rows", type=int, default=384, help="rows of a micro-batch")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="Linear + GELU per stage (8: about 60 ms a micro-batch, as "
                         "--sleep-ms, on the committed run's cores)")
-    parser.add_argument("--layers", type=int, default=4, help="Linear + GELU per stage")
-    parser.add_argument("--sleep-ms", type=float, default=30.0,
+    parser.add_argument("--sleep-ms", type=float, default=60.0,
                         help="--work sleep: a micro-batch's forward and backward, ms")
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=1, help="untimed samples per variant")
@@ -324,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                     for m in counts[p]:
                         memories += memory(comm, p, m, args)
                 comm.Free()
-            common.sleep_barrier(WORLD)
+            common.sleep_barrier(WORLD, pause=0.05)  # ranks left out wake up rarely
     if WORLD.rank == 0:
         common.write_json(args.json, {
             "benchmark": "pipeline", "machine": info, "args": vars(args),

@@ -346,7 +346,7 @@ def write_report(folder: str | Path, plots: bool = True) -> list[Path]:
     if halo:
         lines += report_halo.section_halo(halo)
     if pipeline := _load(folder, "pipeline.json"):
-        lines += report_pipeline.section_pipeline(pipeline)
+        lines += report_pipeline.section_pipeline(pipeline, _load(folder, "pipeline_small.json"))
     if planned := _load(folder, "plan.json"):
         lines += report_plan.section_plan(planned)
     across = [doc for name in ("mappings_2nodes", "mappings_2nodes_4")

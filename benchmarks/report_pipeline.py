@@ -76,26 +76,37 @@ def _memory_table(memory: list[dict[str, Any]]) -> list[str]:
                   "traced peak per stage (MiB)"], rows)
 
 
-def section_pipeline(data: dict[str, Any]) -> list[str]:
-    """The bubble table and its target lines, then the memory table and its check."""
+def _stage_words(args: dict[str, Any]) -> str:
+    return (f"*compute* = {args.get('layers')} x (Linear {args.get('width')} -> "
+            f"{args.get('width')}, GELU) on {args.get('rows')} rows a micro-batch (float32, "
+            f"one BLAS thread), *sleep* = a forward sleeping a third of {args.get('sleep_ms')} "
+            f"ms and a backward two thirds; each micro-batch sends "
+            f"{4 * args.get('rows', 0) * args.get('width', 0) / 1024:.0f} KiB forward and back")
+
+
+def section_pipeline(data: dict[str, Any], small: dict[str, Any] | None = None) -> list[str]:
+    """The bubble table and its target lines, then the memory table and its check; with
+    ``small`` (the job of a stage of half the compute for the same bytes), its bubble
+    table and target lines after the first."""
     args = data.get("args", {})
     lines = ["## Pipeline schedules: bubble and memory", "",
              f"{data.get('ranks')} ranks on {data.get('cores')} cores; every stage the "
-             f"same: *compute* = {args.get('layers')} x (Linear {args.get('width')} -> "
-             f"{args.get('width')}, GELU) on {args.get('rows')} rows a micro-batch "
-             f"(float32, one BLAS thread), *sleep* = a forward sleeping a third of "
-             f"{args.get('sleep_ms')} ms and a backward two thirds. A step is one "
+             f"same: {_stage_words(args)}. A step is one "
              "`run()` of m micro-batches, GPipe and 1F1B interleaved, median of "
              f"{args.get('repeats')} rounds, the slowest stage's time. *bubble* = "
-             "(step - m x one micro-batch alone) / step, *idle* = 1 - (the stage's "
-             "forward and backward time in that step) / step, each the mean over the "
-             "stages; ideal = (p - 1) / (m + p - 1) (equal stages, free transfers). "
+             "(step - m x one micro-batch alone on the slowest stage) / step, *idle* = 1 - "
+             "(the stage's forward and backward time in that step) / step, the mean over "
+             "the stages; ideal = (p - 1) / (m + p - 1) (equal stages, free transfers). "
              "Where stages share cores, compute runs two at once on a core and *bubble* "
              "counts the slowdown: those rows do not measure the schedule "
              "(benchmarks/bench_pipeline.py says more).", ""]
     cases = data.get("cases", [])
     if cases:
         lines += _bubble_table(cases) + [""] + _target_lines(data) + [""]
+    if small and small.get("cases"):
+        lines += ["The same at half the compute for the same bytes, so that the transfers "
+                  f"weigh twice as much ({_stage_words(small.get('args', {}))}):", ""]
+        lines += _bubble_table(small["cases"]) + [""] + _target_lines(small) + [""]
     memory = data.get("memory", [])
     if memory:
         lines += ["Memory (compute stages): the micro-batches each stage held at most, "

@@ -16,6 +16,7 @@ checkpoint.json     4      bench_checkpoint.py: save/load GB/s on 1, 2, 4 ranks 
 fft_1/2/4.json      1/2/4  bench_fft.py: FFT round trip vs mpi4py-fft, bytes, FNO layer
 halo.json           2      bench_halo.py: HaloExchange vs raw mpi4py Sendrecv of the same faces
 pipeline.json       4      bench_pipeline.py: GPipe and 1F1B bubble vs the ideal, memory per stage
+pipeline_small.json 4      the same at m = 4p on a stage of half the compute for the same bytes
 mappings_2nodes.json 2     bench_mappings.py across two emulated nodes (MPICH's odd-even
                            cliques: even and odd ranks on two "nodes"; skipped under Open MPI)
 mappings_2nodes_4.json 4   the same on 4 ranks sharing the 2 cores, 2 ranks a node
@@ -152,8 +153,10 @@ def plan(quick: bool) -> list[Job]:
         Job("halo", "bench_halo.py", 2, "halo.json",
             ["--shapes", "1024x1024,4096x4096,128x128x128,256x256x256", "--repeats", "31",
              "--warmup", "2", "--sample-seconds", "0.02"], 900),
-        # About 3 minutes on 2 quiet cores.
+        # About 5 minutes on 2 quiet cores, then 1 for the stage of half the compute.
         Job("pipeline", "bench_pipeline.py", 4, "pipeline.json", ["--repeats", "11"], 900),
+        Job("pipeline_small", "bench_pipeline.py", 4, "pipeline_small.json",
+            ["--repeats", "11", "--micro", "4p", "--layers", "4", "--sleep-ms", "30"], 600),
         *_across_nodes(quick),
     ]
 

@@ -35,11 +35,13 @@ def test_a_tiny_run_writes_every_figure(tmp_path):
     expected = {(w, p, m) for w in ("compute", "sleep") for p in stages for m in {1, p}}
     problems = [] if status == 0 and set(cases) == expected else [f"{status}, {set(cases)}"]
     for (work, p, m), case in cases.items():
-        if case["ideal"] != (p - 1) / (m + p - 1) or len(case["alone_ms"]) != 2:
+        if case["ideal"] != (p - 1) / (m + p - 1) or len(case["alone_ms"]) != 2 \
+                or any(len(a) != p for a in case["alone_ms"]) or len(case["stage_ms"]) != p:
             problems.append(f"{work} p={p} m={m}: {case['ideal']}, {case['alone_ms']}")
         for name, figures in case["schedules"].items():
             steps = figures["samples_ms"]
-            bubble = np.median([1 - m * a / s for a, s in zip(case["alone_ms"], steps)])
+            # Against the slowest stage of each round.
+            bubble = np.median([1 - m * max(a) / s for a, s in zip(case["alone_ms"], steps)])
             if not (np.isclose(figures["bubble"], bubble) and len(steps) == 2
                     and len(figures["idle_per_stage"]) == p
                     and all(0 <= v < 1 for v in figures["idle_per_stage"])):
@@ -81,13 +83,17 @@ def test_the_driver_runs_it_on_4_ranks():
         job = next(j for j in run.plan(quick) if j.name == "pipeline")
         assert (job.script, job.ranks, job.output) == ("bench_pipeline.py", 4, "pipeline.json")
         assert (run.HERE / job.script).is_file()
+    small = [j for j in run.plan(False) if j.name == "pipeline_small"]
+    assert [(j.script, j.ranks, j.output) for j in small] == [
+        ("bench_pipeline.py", 4, "pipeline_small.json")]
+    assert "pipeline_small" not in [j.name for j in run.plan(True)]
 
 
 def _case(work: str, p: int, m: int, bubble: float, oversubscribed: bool = False) -> dict:
     figures = {"step_ms": 100.0, "samples_ms": [100.0], "bubble": bubble, "idle": bubble,
                "idle_per_stage": [bubble] * p}
     return {"work": work, "stages": p, "micro_batches": m, "ideal": (p - 1) / (m + p - 1),
-            "oversubscribed": oversubscribed, "micro_batch_ms": 10.0, "alone_ms": [10.0],
+            "oversubscribed": oversubscribed, "micro_batch_ms": 10.0, "alone_ms": [[10.0] * p],
             "schedules": {"gpipe": figures, "1f1b": dict(figures)}}
 
 
@@ -122,6 +128,18 @@ def test_report_judges_the_bubble_target(tmp_path):
     assert "| 1F1B | 4 | 8 | 4 (4) 3 (3) 2 (2) 1 (1) | 4.0 3.0 2.0 1.0 | 4.0 3.0 2.0 1.0 |" \
         in text, text
     assert "1F1B min(p - s, m)), 1 runs: met" in text
+    assert "The same at half the compute" not in text
+    small = {"benchmark": "pipeline", "ranks": 4, "cores": 2,
+             "args": {"layers": 4, "width": 512, "rows": 384, "sleep_ms": 30.0, "repeats": 9},
+             "cases": [_case("sleep", 2, 8, 0.13)]}
+    (tmp_path / "pipeline_small.json").write_text(json.dumps(small))
+    report.write_report(tmp_path, plots=False)
+    text = (tmp_path / "results.md").read_text()
+    assert "The same at half the compute for the same bytes, so that the transfers weigh " \
+           "twice as much (*compute* = 4 x (Linear 512 -> 512, GELU) on 384 rows" in text, text
+    assert "each micro-batch sends 768 KiB forward and back" in text, text
+    assert "ideal 0.111 at m = 4p, sleep, 2 stages: GPipe 0.130 (17% off), 1F1B 0.130 " \
+           "(17% off), missed" in text, text
     doc["memory"] = [_memory([4, 3, 3, 1], [4, 3, 2, 1])]
     (tmp_path / "pipeline.json").write_text(json.dumps(doc))
     report.write_report(tmp_path, plots=False)
