@@ -12,10 +12,16 @@ from typing import Any
 from benchmarks.report_format import table, verdict
 
 
+def _rounds(r: dict[str, Any]) -> str:
+    """Each round's measured step, after its round's prediction where there is one."""
+    if "rounds_predicted_ms" not in r:
+        return " ".join(f"{v:.1f}" for v in r["rounds_ms"])
+    return " ".join(f"{p:.1f}/{v:.1f}" for p, v in zip(r["rounds_predicted_ms"], r["rounds_ms"]))
+
+
 def _rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
     return [[r["model"], r["layout"], r["predicted_rank"], f"{r['predicted_ms']:.2f}",
-             f"{r['measured_ms']:.2f}", f"{100 * r['error']:+.1f} %",
-             " ".join(f"{v:.1f}" for v in r["rounds_ms"]),
+             f"{r['measured_ms']:.2f}", f"{100 * r['error']:+.1f} %", _rounds(r),
              " ".join(f"{b:.2f}" for b in r.get("busy_before", []))] for r in rows]
 
 
@@ -28,9 +34,18 @@ def section_plan(data: dict[str, Any]) -> list[str]:
         ``plan.json``.
     """
     calibration = data.get("calibration", {})
+    if data.get("recalibrated"):
+        loads = ", ".join(str(c.get("load_average")) for c in data.get("calibrations", []))
+        predicted = ("The planner's predictions, calibrated again before each round (`python "
+                     "-m pympar plan --calibrate`, at load averages " + loads + "), each job "
+                     "against its round's prediction (error: the median over rounds of "
+                     "(predicted - measured) / measured), against")
+    else:
+        predicted = (f"`python -m pympar plan --machine this` (calibrated "
+                     f"{calibration.get('date')} at load average "
+                     f"{calibration.get('load_average')}) against")
     lines = ["## The planner against measured steps (issue 34)", "",
-             f"`python -m pympar plan --machine this` (calibrated {calibration.get('date')} "
-             f"at load average {calibration.get('load_average')}) against the examples' own "
+             f"{predicted} the examples' own "
              f"`median_step_seconds`, default sizes, {data['steps']} steps a job, the median "
              f"of {data['rounds']} jobs a layout in shuffled rounds; load average "
              f"{data['load_average_before'][0]:.2f} before, "
@@ -38,7 +53,8 @@ def section_plan(data: dict[str, Any]) -> list[str]:
              f"ranks than cores the model multiplies the compute by ranks/cores and adds the "
              f"measured wait for a core to every synchronizing call and check.", ""]
     header = ["model", "layout", "predicted place", "predicted (ms)", "measured (ms)",
-              "error", "each job (ms)", "machine busy before each"]
+              "error", "each job (ms; predicted/measured where calibrated each round)",
+              "machine busy before each"]
     for ranks in sorted({r["ranks"] for r in data["rows"]}):
         mine = [r for r in data["rows"] if r["ranks"] == ranks]
         shared = ranks > data["cores"]

@@ -163,8 +163,8 @@ def plan(quick: bool) -> list[Job]:
 
 def named_only(quick: bool) -> list[Job]:
     """Jobs that run only when ``--only`` names them, beside :func:`plan`'s: ``plan``, the
-    examples under the planner's layouts on 1-8 ranks (about 9 minutes on 2 cores, after
-    ``python -m pympar plan --calibrate``; it starts its own jobs)."""
+    examples under the planner's layouts on 1-8 ranks (about 13 minutes on 2 cores, the
+    machine calibrated before each round; it starts its own jobs)."""
     return [Job("plan", "bench_plan.py", 8, "plan.json",
                 ["--rounds", "1", "--steps", "20", "--extra", "0"] if quick else
                 ["--wait-quiet", "60"], 3600, True)]

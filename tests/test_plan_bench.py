@@ -70,3 +70,32 @@ def test_the_job_runs_only_when_named():
     jobs = {j.name: j for j in run.named_only(False)}
     assert jobs["plan"].launches and jobs["plan"].script == "bench_plan.py"
     assert "plan" not in {j.name for j in run.plan(False)}
+
+
+class _Predicted:
+    """What paired_rows reads of a Prediction: the step and its parts, in seconds."""
+
+    def __init__(self, ms: float) -> None:
+        self.step, self.seconds = ms / 1e3, {"compute": ms / 1e3}
+
+
+def test_each_round_is_compared_with_its_own_prediction():
+    todo = [{"model": "burgers", "ranks": 8, "layout": "x", "predicted_rank": 1},
+            {"model": "burgers", "ranks": 8, "layout": "y", "predicted_rank": 2}]
+    predicted = [[_Predicted(v) for v in (10, 20, 12)], [_Predicted(9)] * 3]
+    measured = [[10.0, 16.0, 12.0], [10.0, 10.0, 10.0]]
+    rows = bench_plan.paired_rows(todo, predicted, measured)
+    # x: errors 0, +25 %, 0 (the median of the medians would say 12 against 12 too, but
+    # a slow second round predicted slow is no error); y: -10 % every round.
+    assert rows[0]["error"] == pytest.approx(0.0) and rows[0]["predicted_ms"] == pytest.approx(12)
+    assert rows[1]["error"] == pytest.approx(-0.1) and rows[1]["measured_ms"] == 10.0
+    assert [r["predicted_rank"] for r in rows] == [2, 1]  # by the median predictions
+    assert rows[0]["rounds_predicted_ms"] == pytest.approx([10, 20, 12])
+    assert rows[0]["predicted"] == {"compute": pytest.approx(12)}
+    data = {"steps": 40, "rounds": 3, "cores": 2, "recalibrated": True,
+            "calibrations": [{"load_average": 0.1}, {"load_average": 0.3}],
+            "load_average_before": [0.1, 0, 0], "load_average_after": [0.2, 0, 0],
+            "rows": rows, "verdicts": bench_plan.verdicts(rows)}
+    text = "\n".join(report_plan.section_plan(data))
+    assert "calibrated again before each round" in text and "0.1, 0.3" in text
+    assert "10.0/10.0 20.0/16.0 12.0/12.0" in text

@@ -141,6 +141,28 @@ def test_ranks_sharing_cores_take_turns():
                                                           + calls * 1e-3)
 
 
+def test_meetings_wait_a_share_of_the_work_up_to_a_bound():
+    waits = Machine(**{**FLAT.__dict__, "jitter": 0.1, "wait_cap": 2e-3,
+                       "shared_waits": {"2": [0.2, 4e-3], "4": [0.4, 8e-3]}})
+    assert Machine.from_json(waits.to_json()) == waits
+    assert waits.meeting_wait(1, 0.01) == pytest.approx(1e-3)
+    assert waits.meeting_wait(1, 0.1) == pytest.approx(2e-3)  # the bound
+    assert waits.meeting_wait(2, 0.01) == pytest.approx(2e-3)
+    assert waits.meeting_wait(4, 1.0) == pytest.approx(8e-3)
+    assert waits.meeting_wait(8, 0.01) == pytest.approx(0.8 * 0.01)  # 4's, twice
+    assert waits.meeting_wait(8, 1.0) == pytest.approx(16e-3)
+    assert waits.meeting_wait(1.5, 1.0) == pytest.approx(3e-3)  # 2's, three quarters
+    assert FLAT.meeting_wait(4, 1.0) == 0.0  # no jitter measured: none
+    # Priced at every meeting: each call or check after work waits for the slowest.
+    base = predict(BurgersModel(), Layout(dp=4), FLAT)
+    late = predict(BurgersModel(), Layout(dp=4), Machine(**{**FLAT.__dict__, "jitter": 1.0,
+                                                            "wait_cap": 1e-3}))
+    meetings = sum(1 for e in run_step(BurgersModel(), Layout(dp=4)).env.timeline
+                   if not isinstance(e, Work))
+    extra = late.step - base.step
+    assert 0 < extra <= meetings * 1e-3 + 1e-12
+
+
 def test_too_little_memory_is_the_reason_a_layout_does_not_fit():
     small = predict(BurgersModel(), Layout(), FLAT, memory=2**20)
     assert not small.fits and "MiB per rank, more than 1.0 MiB" in small.reason

@@ -49,7 +49,8 @@ def _timed(comm: MPI.Comm, run: Callable[[], object], calls: int, repeats: int =
 
 def measure_links(comm: MPI.Comm) -> dict[str, float]:
     """Under a launcher: one-way latency and bandwidth between ranks 0 and 1 (ping-pong), an
-    8-byte all-reduce raw and through pympar, and pympar's agreement check alone."""
+    8-byte all-reduce raw and through pympar, pympar's agreement check alone, and how late
+    the slowest rank meets the others after short and after long equal work."""
     from ..collectives import agree
     from ..group import Group
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -70,16 +71,25 @@ def measure_links(comm: MPI.Comm) -> dict[str, float]:
     out["allreduce_raw"] = _timed(comm, lambda: comm.Allreduce(x, y), 200)
     out["allreduce_pympar"] = _timed(comm, lambda: group.all_reduce(x), 200)
     out["check"] = _timed(comm, lambda: agree(group, ("calibration",), "calibration"), 200)
-    # Equal work, then a meeting: how much later than its own work the slowest arrives.
+    # Equal work, then a meeting: how much later than its own work the slowest arrives,
+    # after short work (a share of it) and after long work (the bound: a few time slices
+    # where ranks share a core).
     a = np.random.default_rng(rank).standard_normal((512, 256)).astype(np.float32)
     w = np.ones((256, 256), np.float32)
 
-    def work() -> None:
-        for _ in range(4):
-            a @ w
-    alone = _timed(comm, work, 10, 15)
-    met = _timed(comm, lambda: (work(), group.all_reduce(x)), 10, 15)
-    out["jitter"] = max(met - alone - out["allreduce_pympar"], 0.0) / alone
+    def late(products: int, calls: int, repeats: int) -> tuple[float, float]:
+        def work() -> None:
+            for _ in range(products):
+                a @ w
+        alone = _timed(comm, work, calls, repeats)
+        met = _timed(comm, lambda: (work(), group.all_reduce(x)), calls, repeats)
+        return alone, max(met - alone - out["allreduce_pympar"], 0.0)
+    short, extra = late(4, 10, 15)
+    long, bound = late(48, 3, 5)
+    # Lateness rises with the work, at the steeper of the two measured shares, up to the
+    # bound (longer work is never met sooner).
+    out["jitter"] = max(extra / short, bound / long)
+    out["wait_cap"] = max(bound, extra)
     group.free()
     return out
 
@@ -138,6 +148,7 @@ def calibrate(out: Path | str | None = None) -> Machine:
     shared_check = {str(n // cores): max(links[n]["check"] - check, 0.0) for n in over}
     shared = {str(n // cores): max(links[n]["allreduce_pympar"] - two["allreduce_pympar"]
                                    - shared_check[str(n // cores)], 0.0) for n in over}
+    waits = {str(n // cores): [links[n]["jitter"], links[n]["wait_cap"]] for n in over}
     copy = fitted.get("copy", [0.0, 0.0, 1e-10])
     machine = Machine(
         "this", f"this machine ({platform.node()}, {cores} cores), measured",
@@ -146,7 +157,8 @@ def calibrate(out: Path | str | None = None) -> Machine:
             fitted.get("linear.forward", [0, 1e-11, 0])[1], 1e-13),
         op_overhead=statistics.median(v[0] for v in fitted.values()), call_overhead=call,
         check_intra=check, kernels=fitted, shared=shared, shared_check=shared_check,
-        jitter=two.get("jitter", 0.0) if 2 <= cores else 0.0, corun=corun,
+        jitter=two.get("jitter", 0.0) if 2 <= cores else 0.0,
+        wait_cap=two.get("wait_cap") if 2 <= cores else None, shared_waits=waits, corun=corun,
         node_memory=_node_memory(),
         measured={"host": platform.node(), "date": datetime.date.today().isoformat(),
                   "mpi": MPI.Get_library_version().splitlines()[0].strip(),

@@ -49,7 +49,8 @@ def _median_seconds(run: Callable[[], Any], setup: Callable[[], Any] | None = No
 
 def numpy_samples(repeats: int = 9) -> list[Sample]:
     """The step's own NumPy lines, timed alone: residual adds, the loss, copies, AdamW,
-    zero_grad, the gradient buckets' packing (last: they free arrays of megabytes)."""
+    zero_grad, the gradient buckets' packing, ZeRO's copies (last: they free arrays of
+    megabytes)."""
     from ..modules import Linear
     from ..optim import AdamW
     out: list[Sample] = []
@@ -83,7 +84,37 @@ def numpy_samples(repeats: int = 9) -> list[Sample]:
                 offset += p.size
         out.append(([Work("bucket", 0, 2 * n) for n in nbytes], _median_seconds(
             pack, repeats=repeats)))
+        out.append(_zero_sample(params, repeats))
     return out
+
+
+def _zero_sample(params: list[Any], repeats: int) -> Sample:
+    """ZeRO's step on a group of one rank, its inner AdamW step taken out: its copies
+    (:func:`~pympar.plan.training.zero_copies`), with the Python and the size-one
+    collectives around them."""
+    from ..group import self_group
+    from ..optim import AdamW
+    from ..zero import ZeroRedundancyOptimizer
+    from .layers import Param
+    from .training import zero_copies, zero_plan
+    zero = ZeroRedundancyOptimizer(params, AdamW, group=self_group(), lr=1e-3, weight_decay=0.0)
+    inner, spent = zero.optimizer.step, [0.0]
+
+    def timed_inner() -> None:
+        start = time.perf_counter()
+        inner()
+        spent[0] += time.perf_counter() - start
+    zero.optimizer.step = timed_inner
+
+    def copies() -> float:
+        spent[0] = 0.0
+        start = time.perf_counter()
+        zero.step()
+        return time.perf_counter() - start - spent[0]
+    seconds = statistics.median([copies() for _ in range(repeats + 1)][1:])
+    described = [Param(p.name or "", tuple(p.shape), p.data.itemsize) for p in params]
+    parts = zero_copies(described, zero_plan(described, 1, 0))
+    return [Work("zero", 0, n) for part in parts for n in part], seconds
 
 
 @contextlib.contextmanager

@@ -106,6 +106,13 @@ class Machine:
     jitter : float
         Ranks that meet after equal work arrive apart: the slowest later by this fraction of
         the work since their last meeting (measured on 2 ranks; 0 for the presets).
+    wait_cap : float or None
+        The most seconds that lateness reaches, however long the work (measured after long
+        work on 2 ranks; None: no bound).
+    shared_waits : dict of str to list of float
+        The same two, ``[jitter, wait_cap]``, per ``ranks / cores`` (``"2"``, ``"4"``): ranks
+        that take turns on the cores arrive later by up to a few of the system's time
+        slices, a share of short work and a bound for long work.
     corun : float
         How much slower a rank's work runs while ranks work on the node's other cores
         (measured by running the examples side by side; 1 for the presets).
@@ -134,10 +141,25 @@ class Machine:
     disk_bandwidth: float = 2e9
     disk_rank_bandwidth: float = 1e9
     jitter: float = 0.0
+    wait_cap: float | None = None
+    shared_waits: dict[str, list[float]] = field(default_factory=dict)
     corun: float = 1.0
     node_memory: float = 512 * 2.0**30
     node_size: int | None = None
     measured: dict = field(default_factory=dict)
+
+    def meeting_wait(self, factor: float, since: float) -> float:
+        """Seconds the slowest of ranks meeting arrives after the others, ``since`` seconds
+        of work after their last meeting, with ``factor`` ranks per core: the measured
+        share of that work, at most the measured bound (at the nearest measured factor not
+        above ``factor``, the lowest measured one below all, both scaled by ``factor``
+        over it)."""
+        share, cap = self.jitter, self.wait_cap
+        if factor > 1 and self.shared_waits:
+            known = sorted((float(k), v) for k, v in self.shared_waits.items())
+            k, (share, cap) = max((kv for kv in known if kv[0] <= factor), default=known[0])
+            share, cap = share * factor / k, cap * factor / k
+        return share * since if cap is None else min(share * since, cap)
 
     def to_json(self) -> str:
         """The machine as JSON (what :func:`load_this` reads)."""

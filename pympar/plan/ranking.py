@@ -11,10 +11,13 @@ overlaps but a ring's transfers, priced as if they did not):
   place);
 * **checks**: every agreement check, priced apart (:func:`pympar.plan.costs.check_seconds`);
 * **waiting**: ranks meet at every call and check; the slowest arrives later by the machine's
-  ``jitter`` times the work since the last meeting, paid by the call or check;
+  ``jitter`` times the work since the last meeting, at most its ``wait_cap``, paid by the
+  call or check;
 * **shared cores**: with more ranks on a node than cores, the ranks take turns: compute
-  takes ``ranks / cores`` times as long, and every synchronizing call or check waits for its
-  partners' turn on the core (the machine's measured ``shared`` cost per call).
+  takes ``ranks / cores`` times as long, every synchronizing call or check waits for its
+  partners' turn on the core (the machine's measured ``shared`` cost per call), and the
+  waiting above follows the share and bound measured with that many ranks a core
+  (``shared_waits``): a few of the system's time slices after long work.
 
 Rank 0 is the one priced: under the balanced split it holds the largest blocks.
 """
@@ -202,8 +205,8 @@ def predict(model: Model, layout: Layout, machine: Machine, node_size: int | Non
             continue
         p, q = site.size(event.role), on_my_node[event.role]
         # Meeting the other ranks waits for the slowest: a share of the work since the
-        # last meeting (the machine's jitter).
-        wait = machine.jitter * since_sync if p > 1 else 0.0
+        # last meeting, up to a bound (Machine.meeting_wait).
+        wait = machine.meeting_wait(factor, since_sync) if p > 1 else 0.0
         if p > 1:
             since_sync = 0.0
         if isinstance(event, Check):

@@ -21,8 +21,8 @@ from .layers import Param
 from .parallel_layers import collective
 from .program import Env
 
-__all__ = ["BUCKET_BYTES", "allreduce_gradients", "ZeroPlan", "zero_plan", "zero_step",
-           "adamw_step", "zero_grad", "optimizer_memory"]
+__all__ = ["BUCKET_BYTES", "allreduce_gradients", "ZeroPlan", "zero_plan", "zero_copies",
+           "zero_step", "adamw_step", "zero_grad", "optimizer_memory"]
 
 #: The default bucket bound of allreduce_gradients and ZeRO (25 MiB).
 BUCKET_BYTES = 25 * 2**20
@@ -128,22 +128,43 @@ def _width(members: list[int], rows: np.ndarray, per_row: np.ndarray, d: int) ->
     return int((per_row[members] @ rows[members]).max())
 
 
+def zero_copies(params: list[Param], plan: ZeroPlan) -> tuple[list[int], list[int], list[int]]:
+    """The bytes of each copy ZeRO's step makes on one rank, in three parts: the rows packed
+    for the reduce-scatter (``d`` per parameter), each share's gradient copied out and its
+    data packed for the all-gather (two per parameter), the other ranks' rows unpacked from
+    it (``d - 1`` per parameter). Each is a NumPy slice assignment in a Python loop, so
+    each pays a call beside its bytes (``zero`` work, calibrated on ZeRO's own step)."""
+    d = plan.groups
+    pack, shares, unpack = [], [], []
+    for p, share in zip(params, plan.shares):
+        pack += [p.nbytes // d] * d
+        shares += [share * p.itemsize] * 2
+        unpack += [p.nbytes // d] * (d - 1)
+    return pack, shares, unpack
+
+
 def zero_step(env: Env, params: list[Param], role: str) -> ZeroPlan:
-    """ZeRO's step: the update's check, a reduce-scatter per bucket, AdamW on the shares, an
-    all-gather per bucket (known extents)."""
+    """ZeRO's step: the update's check; the rows packed, a reduce-scatter per bucket; the
+    shares copied out, AdamW on them, the shares packed; an all-gather per bucket (known
+    extents) and the other ranks' rows unpacked (:func:`zero_copies`)."""
     d, me = env.site.size(role), env.site.rank(role)
     plan = zero_plan(params, d, me)
+    pack, shares, unpack = zero_copies(params, plan)
     env.check(role)
+    for nbytes in pack:
+        env.compute("zero", 0, nbytes)
     for width, itemsize in zip(plan.widths, plan.itemsizes):
-        env.compute("bucket", 0, d * width * itemsize)
         collective(env, role, "ZeroRedundancyOptimizer:reduce_scatter", "reduce_scatter",
                    d * width * itemsize, width * itemsize)
     for share, p in zip(plan.shares, params):
         env.compute("adamw", 0, share * p.itemsize)
+    for nbytes in shares:
+        env.compute("zero", 0, nbytes)
     for width, itemsize in zip(plan.widths, plan.itemsizes):
         collective(env, role, "ZeroRedundancyOptimizer:all_gather", "all_gather",
                    width * itemsize, d * width * itemsize)
-        env.compute("bucket", 0, d * width * itemsize)
+    for nbytes in unpack:
+        env.compute("zero", 0, nbytes)
     return plan
 
 
