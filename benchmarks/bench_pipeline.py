@@ -18,8 +18,9 @@ The bubble is the fraction of the step a stage spends without work. Measured two
 
 * ``bubble``: ``(T - m t) / T``, ``T`` the step's time and ``t`` the time of one
   micro-batch's forward and backward on the slowest stage alone (each stage in turn, the
-  others asleep; the last stage's loss included, which makes it the slowest: the pace of a
-  pipeline is its slowest stage's), sampled in every round beside the steps; the median
+  others asleep, the largest of their times: the pace of a pipeline is its slowest
+  stage's; with equal stages the last, whose work includes the loss), sampled in every
+  round beside the steps; the median
   over rounds of the round's value. Everything that is not compute counts as bubble: the
   transfers, the schedule's own work, and compute slowed down by ranks sharing a core.
 * ``idle``: ``1 - busy / T`` per stage, ``busy`` the time its forward and backward took
@@ -33,9 +34,9 @@ The target is ``bubble`` within 10 % of the ideal at ``m = 4p``
 
 The transfers are the part of the bubble that the ideal leaves out, and their share
 depends on the stage, not on the schedule: each micro-batch sends its activation forward
-and its gradient back, ``--rows x --width`` float32 each way (768 KiB by default; about
-0.2 ms here for MPICH to move, measured with plain mpi4py), and 1F1B's steady state has
-both on its critical path. The default stage (8 layers) computes about 60 ms a
+and its gradient back, ``--rows x --width`` float32 each way (768 KiB by default; 0.19-0.26
+ms here for MPICH to move into a receiver that comes to it from other work, measured with
+plain mpi4py), and 1F1B's steady state has both on its critical path. The default stage (8 layers) computes about 60 ms a
 micro-batch, so each transfer is about 0.4 % of its compute: a transformer stage (hidden
 size 4096, 8 layers, 4096 tokens a micro-batch) on GPUs sends 32 MiB for about 0.2 s of
 compute, 0.05 % over NVLink and 0.7 % over a 25 GB/s network, and a CPU stage computes
@@ -254,7 +255,8 @@ def measure(comm: MPI.Intracomm, work: str, p: int, m: int,
         # Every stage's busy seconds of each step, gathered: the idle fraction per stage.
         busy = np.array(comm.allgather([b for _, b in timed]))  # (stages, rounds)
         idle = 1.0 - busy / np.array(step)[None, :]
-        # The slowest stage sets the pace (the last one, whose work includes the loss).
+        # The slowest stage sets the pace (with equal stages the last, whose work includes
+        # the loss).
         bubble = [1.0 - m * max(a) / s for a, s in zip(alone, step)]
         out["schedules"][name] = {
             "step_ms": 1e3 * common.median(step), "samples_ms": [1e3 * s for s in step],

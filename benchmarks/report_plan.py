@@ -50,10 +50,12 @@ def section_plan(data: dict[str, Any]) -> list[str]:
              f"of {data['rounds']} jobs a layout in shuffled rounds; load average "
              f"{data['load_average_before'][0]:.2f} before, "
              f"{data['load_average_after'][0]:.2f} after, on {data['cores']} cores. With more "
-             f"ranks than cores the model multiplies the compute by ranks/cores and adds the "
-             f"measured wait for a core to every synchronizing call and check.", ""]
+             f"ranks than cores the model multiplies the compute by ranks/cores, adds the "
+             f"measured wait for a core to every synchronizing call and check, and prices "
+             f"the lateness of ranks meeting after work as measured with that many ranks a "
+             f"core.", ""]
     header = ["model", "layout", "predicted place", "predicted (ms)", "measured (ms)",
-              "error", "each job (ms; predicted/measured where calibrated each round)",
+              "error", "each job (ms; its round's prediction/measured)",
               "machine busy before each"]
     for ranks in sorted({r["ranks"] for r in data["rows"]}):
         mine = [r for r in data["rows"] if r["ranks"] == ranks]

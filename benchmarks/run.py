@@ -348,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help="run only this job (mappings, torch_comm, mlp, comm_volume_8, "
                              "comm_volume_27, memory, attention, checkpoint, halo, "
-                             "pipeline, and "
+                             "pipeline, pipeline_small, and "
                              "mappings_ab and plan, which run only when named); repeatable")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME",
                         help="skip this job; repeatable")

@@ -113,7 +113,8 @@ def test_plans_and_launch_command(monkeypatch):
                                          "mappings_2nodes", "mappings_2nodes_4", "halo_2nodes",
                                          "pipeline"}
     assert all(j.env == run.TWO_NODES for j in quick if "2nodes" in j.name)
-    assert {j.name for j in full} == {j.name for j in quick} | {"comm_volume_27"}
+    assert {j.name for j in full} == {j.name for j in quick} | {"comm_volume_27",
+                                                                 "pipeline_small"}
     assert all((run.HERE / j.script).is_file() for j in full)
     # scripts/mpirun.sh exports these when the suite itself runs under Open MPI
     for name in ("OMP_NUM_THREADS", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):

@@ -149,8 +149,8 @@ def test_meetings_wait_a_share_of_the_work_up_to_a_bound():
     assert waits.meeting_wait(1, 0.1) == pytest.approx(2e-3)  # the bound
     assert waits.meeting_wait(2, 0.01) == pytest.approx(2e-3)
     assert waits.meeting_wait(4, 1.0) == pytest.approx(8e-3)
-    assert waits.meeting_wait(8, 0.01) == pytest.approx(0.8 * 0.01)  # 4's, twice
-    assert waits.meeting_wait(8, 1.0) == pytest.approx(16e-3)
+    assert waits.meeting_wait(8, 0.01) == pytest.approx(0.4 * 0.01)  # 4's share
+    assert waits.meeting_wait(8, 1.0) == pytest.approx(16e-3)  # 4's bound, twice
     assert waits.meeting_wait(1.5, 1.0) == pytest.approx(3e-3)  # 2's, three quarters
     assert FLAT.meeting_wait(4, 1.0) == 0.0  # no jitter measured: none
     # Priced at every meeting: each call or check after work waits for the slowest.
