@@ -18,11 +18,11 @@ The bubble is the fraction of the step a stage spends without work. Measured two
 
 * ``bubble``: ``(T - m t) / T``, ``T`` the step's time and ``t`` the time of one
   micro-batch's forward and backward on the slowest stage alone (each stage in turn, the
-  others asleep, the largest of their times: the pace of a pipeline is its slowest
-  stage's; with equal stages the last, whose work includes the loss), sampled in every
-  round beside the steps; the median
-  over rounds of the round's value. Everything that is not compute counts as bubble: the
-  transfers, the schedule's own work, and compute slowed down by ranks sharing a core.
+  others asleep, the largest of their times: the pace of a pipeline is its slowest stage's;
+  with equal stages the last, whose work includes the loss), sampled in every round beside
+  the steps; the median over rounds of the round's value. Everything that is not compute
+  counts as bubble: the transfers, the schedule's own work, and compute slowed down by
+  ranks sharing a core.
 * ``idle``: ``1 - busy / T`` per stage, ``busy`` the time its forward and backward took
   during that very step (the mean over the stages, median over rounds): no calibration,
   and compute slowed by sharing a core counts as busy.
@@ -32,23 +32,22 @@ transfers (GPipe's and 1F1B's alike: ``scripts/draw_pipeline.py`` draws their ti
 The target is ``bubble`` within 10 % of the ideal at ``m = 4p``
 (``benchmarks/report_pipeline.py``).
 
-The transfers are the part of the bubble that the ideal leaves out, and their share
-depends on the stage, not on the schedule: each micro-batch sends its activation forward
-and its gradient back, ``--rows x --width`` float32 each way (768 KiB by default; 0.19-0.26
-ms here for MPICH to move into a receiver that comes to it from other work, measured with
-plain mpi4py), and 1F1B's steady state has both on its critical path. The default stage (8 layers) computes about 60 ms a
-micro-batch, so each transfer is about 0.4 % of its compute: a transformer stage (hidden
-size 4096, 8 layers, 4096 tokens a micro-batch) on GPUs sends 32 MiB for about 0.2 s of
-compute, 0.05 % over NVLink and 0.7 % over a 25 GB/s network, and a CPU stage computes
-longer still. The stage is deepened rather than widened so that two stages' weights
-(8 MiB each) still share the 32 MiB cache here without evicting each other. The full
-benchmark (``python -m pympar bench``) also runs the stage of half the compute for the
-same bytes (``--layers 4 --sleep-ms 30``, ``pipeline_small.json``), where the transfers
-are twice the share. Compute on ranks that
-share cores does not measure a schedule: with 4 stages on 2 cores two stages compute at
-once on one core, each at half speed, so those rows are not judged and ``--work sleep``
-stands in for the compute (a sleeping stage needs no core: what is left to measure is the
-schedule's ordering, the transfers and the waits).
+The transfers are the part of the bubble that the ideal leaves out, and their share depends
+on the stage, not on the schedule: each micro-batch sends its activation forward and its
+gradient back, ``--rows x --width`` float32 each way (768 KiB by default; 0.19-0.26 ms here
+for MPICH to move into a receiver that comes to it from other work, measured with plain
+mpi4py), and 1F1B's steady state has both on its critical path. The default stage (8
+layers) computes about 60 ms a micro-batch, so each transfer is about 0.4 % of its compute:
+a transformer stage (hidden size 4096, 8 layers, 4096 tokens a micro-batch) on GPUs sends
+32 MiB for about 0.2 s of compute, 0.05 % over NVLink and 0.7 % over a 25 GB/s network, and
+a CPU stage computes longer still. The stage is deepened rather than widened so that two
+stages' weights (8 MiB each) still share the 32 MiB cache here without evicting each other.
+The full benchmark (``python -m pympar bench``) also runs the stage of half the compute for
+the same bytes (``--layers 4 --sleep-ms 30``, ``pipeline_small.json``), where the transfers
+are twice the share. Compute on ranks that share cores does not measure a schedule: with 4
+stages on 2 cores two stages compute at once on one core, each at half speed, so those rows
+are not judged and ``--work sleep`` stands in for the compute (a sleeping stage needs no
+core: what is left to measure is the schedule's ordering, the transfers and the waits).
 
 Memory (``--work compute``): the micro-batches each stage holds at most (counted by the
 schedule, ``peak_in_flight``) against GPipe's ``m`` and 1F1B's ``min(p - s, m)``, their
