@@ -270,6 +270,26 @@ def test_a_neighbour_that_never_comes_times_out(pp):
     transfer.free()
 
 
+def test_remembered_headers_are_the_headers_they_stand_for():
+    """Headers made from a template and read by lookup equal :func:`_wire.header` and
+    :func:`_wire.read_header`, whatever the micro-batch, and past the limit too."""
+    from pympar.pipeline import _wire
+
+    headers = _wire.Headers(limit=2)
+    arrays = [np.zeros((3, 2), np.float32), np.zeros(5, np.int64), np.zeros((1, 1, 4))]
+    for k in (0, 7, -1, 2 ** 40):
+        for i, x in enumerate(arrays):
+            made = headers.make(_wire.DATA, 11 + i, k, f"call {i}", x)
+            assert np.array_equal(made, _wire.header(_wire.DATA, 11 + i, k, f"call {i}", x))
+            assert headers.read(made.copy()) == _wire.read_header(made)
+        done = headers.make(_wire.DONE, 5, k, "the end")
+        assert np.array_equal(done, _wire.header(_wire.DONE, 5, k, "the end"))
+        assert headers.read(done.copy()) == _wire.read_header(done)
+    foreign = np.arange(_wire.empty_header().size, dtype=np.int64)
+    assert headers.read(foreign.copy()) == _wire.read_header(foreign)
+    assert headers.read(foreign.copy())["kind"] == 0
+
+
 def test_one_stage_sends_nothing():
     group = Mesh(WORLD, {"pp": 1, "rest": P}, order="pp-rest").group("pp")
     transfer = StageTransfer(group)

@@ -85,6 +85,7 @@ class StageTransfer:
         self._sends: list[tuple[MPI.Request, Any]] = []
         self._sent: dict[int, tuple[tuple[int, ...], Any]] = {}
         self._signatures: dict[tuple, tuple[int, str]] = {}
+        self._headers = _wire.Headers()
         self._listening: list[tuple[int, np.ndarray, MPI.Request]] = []
         self._told: list[Any] = []  # aborts sent, alive until MPI has them
         # Per neighbour, the units (arrays, ends of calls) sent to it and received from it,
@@ -168,7 +169,7 @@ class StageTransfer:
             return
         sig, shown = self._call("done")
         pipe, what = self.pipeline, f"{shown} (StageTransfer.finish)"
-        mine = _wire.header(_wire.DONE, sig, -1, shown)
+        mine = self._headers.make(_wire.DONE, sig, -1, shown)
         if pipe.is_first:
             self._unit(mine, pipe.next_rank, _wire.FORWARD_HEADER)
         if not pipe.is_last:  # every later stage has ended well
@@ -192,7 +193,7 @@ class StageTransfer:
         words = _wire.empty_header()
         self._wait([self.comm.Irecv(words, peer, tag)], what, [peer], unit_from=peer)
         self._units_received[peer] += 1
-        theirs = _wire.read_header(words)
+        theirs = self._headers.read(words)
         if theirs["kind"] != _wire.DONE or theirs["sig"] != sig:
             said = (f"sent micro-batch {theirs['micro_batch']} of {theirs['shown']}"
                     if theirs["kind"] == _wire.DATA else f"ended {theirs['shown']}")
@@ -297,15 +298,17 @@ class StageTransfer:
         if self.comm is None:  # one stage: nothing to send to (refused above)
             return
         start = time.perf_counter()
-        head = _wire.header(_wire.DATA, sig, micro_batch, shown, x)
+        head = self._headers.make(_wire.DATA, sig, micro_batch, shown, x)
         data = _wire.outgoing(x)
         header_tag, data_tag = _wire.TAGS[direction]
+        # The earlier sends that are complete let go of their arrays (not these two: just
+        # posted, the payload's is not, and testing it costs more than the rest of the call).
+        self._sends = [(r, keep) for r, keep in self._sends if not r.Test()]
         self._sends.append((self.comm.Isend(head, peer, header_tag), head))
         self._sends.append((self.comm.Isend([_wire.raw(data), datatype], peer, data_tag), data))
         self._units_sent[peer] += 1
         if direction == "forward":
             self._sent[micro_batch] = (tuple(x.shape), x.dtype)
-        self._sends = [(r, keep) for r, keep in self._sends if not r.Test()]
         if stats.is_recording():
             stats.add(self.pipeline.name, f"pipeline.send_{direction}", x.nbytes, 0,
                       time.perf_counter() - start)
@@ -316,7 +319,7 @@ class StageTransfer:
         header_tag, data_tag = _wire.TAGS[direction]
         words = _wire.empty_header()
         self._wait([self.comm.Irecv(words, peer, header_tag)], what, [peer], unit_from=peer)
-        theirs = _wire.read_header(words)
+        theirs = self._headers.read(words)
         group = self.pipeline.group
         if theirs["kind"] != _wire.DATA:
             self._mismatch(peer, f"{where(group, peer)} ended {theirs['shown']} while "
