@@ -23,9 +23,13 @@ The bubble is the fraction of the step a stage spends without work. Measured two
   the steps; the median over rounds of the round's value. Everything that is not compute
   counts as bubble: the transfers, the schedule's own work, and compute slowed down by
   ranks sharing a core.
-* ``idle``: ``1 - busy / T`` per stage, ``busy`` the time its forward and backward took
-  during that very step (the mean over the stages, median over rounds): no calibration,
-  and compute slowed by sharing a core counts as busy.
+* ``idle``: ``1 - busy / T`` per stage, ``busy`` the time its forward and backward (and
+  on the last stage the loss) took during that very step (the mean over the stages, median
+  over rounds): no calibration, and compute slowed by sharing a core counts as busy.
+  ``paced``, the same for the stage that was busiest in the step (median over rounds), is
+  ``bubble`` with ``m t`` measured within the step: where the two differ, compute ran at
+  another speed in the step than alone (the other stages computing beside it on the
+  shared cache and memory, or the machine's speed moving between the two).
 
 Both are compared with the ideal ``(p - 1) / (m + p - 1)`` of equal stages and free
 transfers (GPipe's and 1F1B's alike: ``scripts/draw_pipeline.py`` draws their timelines).
@@ -84,15 +88,16 @@ WORKS = ("compute", "sleep")
 
 
 class Clocked(Module):
-    """A stage's layers, adding the seconds their forwards and backwards take to ``busy``."""
+    """A stage's layers (or the last stage's loss), adding the seconds their forwards and
+    backwards take to ``busy``."""
 
     def __init__(self, inner: Module) -> None:
         super().__init__()
         self.inner, self.busy = inner, 0.0
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, *args: Any) -> Any:
         start = time.perf_counter()
-        y = self.inner.forward(x)
+        y = self.inner.forward(*args)
         self.busy += time.perf_counter() - start
         return y
 
@@ -175,7 +180,7 @@ class Pipeline:
         self.stage = split_stages([lambda: stage_layers(work, args)] * p, self.group)
         self.clock = next(iter(self.stage))
         last = self.group.rank == p - 1
-        self.loss = MeanLoss() if last else None
+        self.loss = Clocked(MeanLoss()) if last else None
         self.runs = {name: schedule(self.stage, self.group, m, self.loss,
                                     label=f"bench-{name}")
                      for name, schedule in SCHEDULES.items()}
@@ -188,11 +193,13 @@ class Pipeline:
         seconds)."""
         self.stage.zero_grad()
         common.sleep_barrier(self.comm)
-        self.clock.busy = 0.0
+        clocks = [self.clock] + ([self.loss] if self.loss is not None else [])
+        for clock in clocks:
+            clock.busy = 0.0
         start = time.perf_counter()
         self.runs[name].run(self.batch, self.batch)
         mine = time.perf_counter() - start
-        return self.comm.allreduce(mine, op=MPI.MAX), self.clock.busy
+        return self.comm.allreduce(mine, op=MPI.MAX), sum(clock.busy for clock in clocks)
 
     def alone(self, calls: int = 3) -> list[float]:
         """One micro-batch's forward and backward (and the last stage's loss) on each
@@ -260,7 +267,9 @@ def measure(comm: MPI.Intracomm, work: str, p: int, m: int,
         out["schedules"][name] = {
             "step_ms": 1e3 * common.median(step), "samples_ms": [1e3 * s for s in step],
             "bubble": common.median(bubble), "idle": float(np.median(idle.mean(axis=0))),
-            "idle_per_stage": [float(v) for v in np.median(idle, axis=1)]}
+            "paced": float(np.median(idle.min(axis=0))),
+            "idle_per_stage": [float(v) for v in np.median(idle, axis=1)],
+            "idle_samples": idle.T.tolist()}  # per round, each stage's
     pipe.free()
     return out
 

@@ -28,17 +28,24 @@ def off_ideal(measured: float, ideal: float) -> float:
     return abs(measured - ideal) / ideal if ideal else abs(measured)
 
 
+def _figure(figures: dict[str, Any], name: str) -> str:
+    """A figure to 3 places, or a dash where the run predates it."""
+    return f"{figures[name]:.3f}" if name in figures else "-"
+
+
 def _bubble_table(cases: list[dict[str, Any]]) -> list[str]:
     rows = []
     for c in cases:
         s = c["schedules"]
         rows.append([c["work"], c["stages"], c["micro_batches"], f"{c['micro_batch_ms']:.1f}",
                      f"{c['ideal']:.3f}",
-                     *(f"{s[n]['bubble']:.3f} / {s[n]['idle']:.3f}" for n in _NAMES),
+                     *(f"{s[n]['bubble']:.3f} / {_figure(s[n], 'paced')} / {s[n]['idle']:.3f}"
+                       for n in _NAMES),
                      *(f"{s[n]['step_ms']:.1f}" for n in _NAMES),
                      "yes" if c["oversubscribed"] else ""])
     return table(["work", "stages p", "micro-batches m", "one micro-batch (ms)",
-                  "ideal (p-1)/(m+p-1)", "GPipe bubble / idle", "1F1B bubble / idle",
+                  "ideal (p-1)/(m+p-1)", "GPipe bubble / paced / idle",
+                  "1F1B bubble / paced / idle",
                   "GPipe step (ms)", "1F1B step (ms)", "stages share cores"], rows)
 
 
@@ -95,8 +102,10 @@ def section_pipeline(data: dict[str, Any], small: dict[str, Any] | None = None) 
              "`run()` of m micro-batches, GPipe and 1F1B interleaved, median of "
              f"{args.get('repeats')} rounds, the slowest stage's time. *bubble* = "
              "(step - m x one micro-batch alone on the slowest stage) / step, *idle* = 1 - "
-             "(the stage's forward and backward time in that step) / step, the mean over "
-             "the stages; ideal = (p - 1) / (m + p - 1) (equal stages, free transfers). "
+             "(the stage's forward, backward and loss time in that step) / step, the mean "
+             "over the stages, *paced* = the same for the busiest stage of the step (the "
+             "bubble with the compute timed within the step); ideal = (p - 1) / "
+             "(m + p - 1) (equal stages, free transfers). "
              "Where stages share cores, compute runs two at once on a core and *bubble* "
              "counts the slowdown: those rows do not measure the schedule "
              "(benchmarks/bench_pipeline.py says more).", ""]

@@ -42,9 +42,12 @@ def test_a_tiny_run_writes_every_figure(tmp_path):
             steps = figures["samples_ms"]
             # Against the slowest stage of each round.
             bubble = np.median([1 - m * max(a) / s for a, s in zip(case["alone_ms"], steps)])
+            idle = np.array(figures["idle_samples"])  # (rounds, stages)
             if not (np.isclose(figures["bubble"], bubble) and len(steps) == 2
-                    and len(figures["idle_per_stage"]) == p
-                    and all(0 <= v < 1 for v in figures["idle_per_stage"])):
+                    and idle.shape == (2, p) and ((0 <= idle) & (idle < 1)).all()
+                    and np.allclose(figures["idle_per_stage"], np.median(idle, axis=0))
+                    and np.isclose(figures["idle"], np.median(idle.mean(axis=1)))
+                    and np.isclose(figures["paced"], np.median(idle.min(axis=1)))):
                 problems.append(f"{work} p={p} m={m} {name}: {figures}")
     memory = {(r["schedule"], r["stages"], r["micro_batches"]): r for r in doc["memory"]}
     if set(memory) != {(n, p, m) for n in ("gpipe", "1f1b") for _, p, m in expected}:
@@ -91,7 +94,7 @@ def test_the_driver_runs_it_on_4_ranks():
 
 def _case(work: str, p: int, m: int, bubble: float, oversubscribed: bool = False) -> dict:
     figures = {"step_ms": 100.0, "samples_ms": [100.0], "bubble": bubble, "idle": bubble,
-               "idle_per_stage": [bubble] * p}
+               "paced": bubble - 0.001, "idle_per_stage": [bubble] * p}
     return {"work": work, "stages": p, "micro_batches": m, "ideal": (p - 1) / (m + p - 1),
             "oversubscribed": oversubscribed, "micro_batch_ms": 10.0, "alone_ms": [[10.0] * p],
             "schedules": {"gpipe": figures, "1f1b": dict(figures)}}
@@ -117,8 +120,8 @@ def test_report_judges_the_bubble_target(tmp_path):
     report.write_report(tmp_path, plots=False)
     text = (tmp_path / "results.md").read_text()
     assert "## Pipeline schedules: bubble and memory" in text
-    assert "| compute | 2 | 8 | 10.0 | 0.111 | 0.114 / 0.114 | 0.114 / 0.114 | 100.0 | " \
-           "100.0 |  |" in text, text
+    assert "| compute | 2 | 8 | 10.0 | 0.111 | 0.114 / 0.113 / 0.114 | 0.114 / 0.113 / 0.114 " \
+           "| 100.0 | 100.0 |  |" in text, text
     assert "ideal 0.111 at m = 4p, compute, 2 stages: GPipe 0.114 (3% off), 1F1B 0.114 " \
            "(3% off), met" in text, text
     assert "ideal 0.158 at m = 4p, sleep, 4 stages: GPipe 0.190 (20% off), 1F1B 0.190 " \
