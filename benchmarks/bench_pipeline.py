@@ -29,7 +29,8 @@ The bubble is the fraction of the step a stage spends without work. Measured two
   ``paced``, the same for the stage that was busiest in the step (median over rounds), is
   ``bubble`` with ``m t`` measured within the step: where the two differ, compute ran at
   another speed in the step than alone (the other stages computing beside it on the
-  shared cache and memory, or the machine's speed moving between the two).
+  shared cache and memory, the schedule's order of work, such as a forward between each
+  forward and its backward, or the machine's speed moving between the two).
 
 Both are compared with the ideal ``(p - 1) / (m + p - 1)`` of equal stages and free
 transfers (GPipe's and 1F1B's alike: ``scripts/draw_pipeline.py`` draws their timelines).
