@@ -182,6 +182,7 @@ class Pipeline:
         self.clock = next(iter(self.stage))
         last = self.group.rank == p - 1
         self.loss = Clocked(MeanLoss()) if last else None
+        self.clocks = [self.clock] + ([self.loss] if last else [])  # this stage's work
         self.runs = {name: schedule(self.stage, self.group, m, self.loss,
                                     label=f"bench-{name}")
                      for name, schedule in SCHEDULES.items()}
@@ -194,13 +195,12 @@ class Pipeline:
         seconds)."""
         self.stage.zero_grad()
         common.sleep_barrier(self.comm)
-        clocks = [self.clock] + ([self.loss] if self.loss is not None else [])
-        for clock in clocks:
+        for clock in self.clocks:
             clock.busy = 0.0
         start = time.perf_counter()
         self.runs[name].run(self.batch, self.batch)
         mine = time.perf_counter() - start
-        return self.comm.allreduce(mine, op=MPI.MAX), sum(clock.busy for clock in clocks)
+        return self.comm.allreduce(mine, op=MPI.MAX), sum(clock.busy for clock in self.clocks)
 
     def alone(self, calls: int = 3) -> list[float]:
         """One micro-batch's forward and backward (and the last stage's loss) on each

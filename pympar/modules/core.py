@@ -286,18 +286,9 @@ class Module:
             stack.extend((f"{name}.{k}" if name else k, m) for k, m in reversed(kids))
 
     def modules(self) -> Iterator["Module"]:
-        """Yield this module and every descendant, pre-order (as :meth:`named_modules`)."""
-        # Its own walk, without the names: a pipeline stage walks its layers twice a
-        # micro-batch (pympar.pipeline.caches).
-        seen: set[int] = set()
-        stack = [self]
-        while stack:
-            mod = stack.pop()
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
+        """Yield this module and every descendant, pre-order."""
+        for _, mod in self.named_modules():
             yield mod
-            stack.extend(reversed(mod._registries()[1].values()))
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """Yield ``(dotted_name, parameter)``, e.g. ``("fc1.weight", p)``.
