@@ -240,7 +240,8 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
     ``MPI_UNSIGNED_SHORT`` for bfloat16, ...) when MPI has one, otherwise the
     datatype that ``mpi4py.util.dtlib`` builds. Predefined first because MPICH
     refuses built-in reductions (``MPI_SUM`` ...) on the duplicated datatypes
-    that ``dtlib`` returns even for plain numeric dtypes.
+    that ``dtlib`` returns even for plain numeric dtypes. A datatype that ``dtlib``
+    builds (structured dtypes) is committed; each dtype's is made once.
 
     Parameters
     ----------
@@ -261,9 +262,10 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
         # get here with float16 (they sum in float32, accumulation_dtype).
         return MPI.UINT16_T
     try:
-        return dtlib.from_numpy_dtype(wire)
+        derived = dtlib.from_numpy_dtype(wire)
     except (ValueError, KeyError) as err:
         raise TypeError(f"pympar cannot send arrays of dtype {np.dtype(dtype)}: {err}") from None
+    return derived.Commit()  # MPI moves no data in a datatype that is not committed
 
 
 _PINNED: dict[Any, np.ndarray] = {}

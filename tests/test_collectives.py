@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from collective_helpers import (DTYPES, Checks, dtypes_for, laid_out, layouts_for, piece,
                                 random, split_sizes)
@@ -340,8 +341,13 @@ def test_mpi_datatypes_are_predefined():
         datatype = backend.mpi_datatype(dtype)
         assert datatype.is_predefined, dtype
         assert datatype.Get_size() == backend.wire_dtype(dtype).itemsize, dtype
-    # Types without a predefined datatype still get dtlib's (the collectives refuse them).
+    # Types without a predefined datatype still get dtlib's (the collectives refuse them),
+    # committed: a halo moves them.
     pair = np.dtype([("a", np.float64), ("b", np.int32)])
-    assert backend.mpi_datatype(pair).Get_size() == pair.itemsize
+    datatype = backend.mpi_datatype(pair)
+    assert datatype.Get_size() == pair.itemsize
+    sent, received = np.array([(1.5, 2), (3.5, 4)], pair), np.zeros(2, pair)
+    MPI.COMM_SELF.Sendrecv([sent, datatype], 0, 0, [received, datatype], 0, 0)
+    assert received.tolist() == sent.tolist()
     with pytest.raises(TypeError, match="cannot send arrays of dtype object"):
         backend.mpi_datatype(np.dtype(object))

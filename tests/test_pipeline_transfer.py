@@ -290,6 +290,40 @@ def test_remembered_headers_are_the_headers_they_stand_for():
     assert headers.read(foreign.copy())["kind"] == 0
 
 
+def test_a_header_carries_every_axis_and_the_dtype():
+    """Shapes of 0 to MAX_DIMS axes and every dtype come back as written; a dtype whose name
+    does not make it again (structured) is refused."""
+    from pympar.pipeline import _wire
+
+    for ndim in range(_wire.MAX_DIMS + 1):
+        for dtype in dtypes():
+            x = np.zeros(tuple(range(2, 2 + ndim)), dtype)
+            read = _wire.read_header(_wire.header(_wire.DATA, 3, 1, "call", x))
+            assert (read["shape"], read["dtype"], read["shown"]) == (x.shape, x.dtype, "call")
+    with pytest.raises(TypeError, match="plain dtypes"):
+        _wire.dtype_name(np.dtype([("a", "<f8"), ("b", "<i4")]))
+
+
+@needs_two
+def test_a_structured_array_is_refused_everywhere(pp, watchdog):
+    """The first stage sends a structured array: it raises TypeError, the others the
+    mismatch naming its refusal."""
+    transfer = StageTransfer(pp)
+    pipe = transfer.pipeline
+    caught = None
+    try:
+        if pipe.is_first:
+            transfer.send_forward(np.zeros(3, [("a", "<f8"), ("b", "<i4")]), 0)
+        else:
+            transfer.recv_forward(0)
+        transfer.finish()
+    except (TypeError, CollectiveMismatchError) as error:
+        caught = error
+    agree(isinstance(caught, TypeError if pipe.is_first else CollectiveMismatchError)
+          and "plain dtypes" in str(caught), repr(caught), pp.comm)
+    transfer.free()
+
+
 def test_one_stage_sends_nothing():
     group = Mesh(WORLD, {"pp": 1, "rest": P}, order="pp-rest").group("pp")
     transfer = StageTransfer(group)

@@ -29,8 +29,10 @@ MISMATCH, ENDED = 1, 2
 
 MAX_DIMS = 8
 _MAGIC = 0x5050_4950  # "PPIP": a header of this protocol
-_WORDS = 64  # 512 bytes: 16 numbers, then the dtype (16 bytes) and the call in words
-_TEXT_AT, _DTYPE_AT = 128, 96
+# 512 bytes: 5 + MAX_DIMS numbers (magic, kind, signature, micro-batch, ndim, the shape),
+# then the dtype's name (24 bytes) and the call in words.
+_WORDS = 64
+_DTYPE_AT, _TEXT_AT = 8 * (5 + MAX_DIMS), 128
 ABORT_BYTES = 1024
 
 
@@ -48,11 +50,27 @@ def header(kind: int, sig: int, micro_batch: int, shown: str, x: Any = None) -> 
     if x is not None:
         words[4] = x.ndim
         words[5:5 + x.ndim] = x.shape
-        name = "bfloat16" if backend.is_bfloat16(x.dtype) else x.dtype.str
+        name = dtype_name(x.dtype)
         raw[_DTYPE_AT:_DTYPE_AT + len(name)] = np.frombuffer(name.encode(), np.uint8)
     text = shown.encode("utf-8", "replace")[:raw.size - _TEXT_AT]
     raw[_TEXT_AT:_TEXT_AT + len(text)] = np.frombuffer(text, np.uint8)
     return words
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of ``dtype`` in a header, from which the receiver makes the same dtype.
+
+    Raises
+    ------
+    TypeError
+        For a dtype that its name does not make again (structured, subarray, void).
+    """
+    if backend.is_bfloat16(dtype):
+        return "bfloat16"
+    name = np.dtype(dtype).str
+    if np.dtype(name) != dtype or len(name) > _TEXT_AT - _DTYPE_AT:
+        raise TypeError(f"a pipeline transfer moves arrays of plain dtypes, not {dtype}")
+    return name
 
 
 def empty_header() -> np.ndarray:

@@ -292,6 +292,7 @@ class StageTransfer:
         if x.ndim > _wire.MAX_DIMS:
             self._refuse(ValueError(f"{what}: at most {_wire.MAX_DIMS} axes, got {x.ndim}"), what)
         try:
+            _wire.dtype_name(x.dtype)
             datatype = backend.mpi_datatype(x.dtype)
         except TypeError as error:
             self._refuse(error, what)
