@@ -189,6 +189,80 @@ def test_more_ranks_than_words(clean_state):
     assert_close(loss_fn.backward(), grad[:, cols] / 4, what="grad")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_embedding_with_more_ranks_than_words(clean_state):
+    """Ranks that hold no row of the table give zeros and an empty gradient."""
+    manager.initialize_parallel(WORLD.size)
+    vocab = WORLD.size - 1
+    rows = block(vocab, WORLD.size, manager.get_tensor_parallel_rank())
+    table = VocabParallelEmbedding(vocab, H, dtype=np.float64, seed=2, group=_alone()).weight.data
+    layer = VocabParallelEmbedding(vocab, H, dtype=np.float64, seed=2)
+    ids = np.arange(6).reshape(3, 2) % vocab
+    assert_equal(layer.forward(ids), table[ids], "forward")
+    dy = rng_array(4, (3, 2, H), np.float64)
+    layer.backward(dy)
+    grad = np.zeros((vocab, H))
+    np.add.at(grad, ids.reshape(-1), dy.reshape(-1, H))
+    assert_close(layer.weight.grad, grad[rows], what="dW")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("int_dtype", [np.uint8, np.int16, np.uint32])
+def test_narrow_integer_ids_and_targets(clean_state, int_dtype):
+    """Ids of a dtype that cannot hold a rank's first word (uint8 ids, words 300 on) are
+    looked up and scored as int64 ones."""
+    vocab, tokens = 600, 8
+    ids = np.array([0, 1, 254, 255, 7, 7, 100, 3], int_dtype)
+    logits = rng_array(6, (tokens, vocab), np.float64)
+    loss_ref, grad_ref = _dense_cross_entropy(logits, ids.astype(np.int64))
+    for tp in tp_sizes():
+        manager.initialize_parallel(tp)
+        r = manager.get_tensor_parallel_rank()
+        table = VocabParallelEmbedding(vocab, H, dtype=np.float64, seed=1,
+                                       group=_alone()).weight.data
+        layer = VocabParallelEmbedding(vocab, H, dtype=np.float64, seed=1)
+        assert_equal(layer.forward(ids), table[ids.astype(np.int64)], f"tp={tp} lookup")
+        cols = block(vocab, tp, r)
+        loss_fn = VocabParallelCrossEntropy(vocab, dtype=np.float64)
+        loss = loss_fn.forward(logits[:, cols], ids)
+        agree(abs(loss - loss_ref) < 1e-12, f"tp={tp}: loss {loss} != {loss_ref}")
+        assert_close(loss_fn.backward(), grad_ref[:, cols], what=f"tp={tp} grad")
+        manager.destroy_parallel()
+
+
+def _dense_cross_entropy(logits: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean cross-entropy (no smoothing, nothing ignored) and its gradient, in float64."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    rows = np.arange(len(target))
+    grad = np.exp(log_p)
+    grad[rows, target] -= 1.0
+    return float(-log_p[rows, target].mean()), grad / len(target)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("tokens,vocab", [(4, 70_000), (40_000, 8)],
+                         ids=["row-sum-past-65504", "loss-sum-past-65504"])
+def test_float16_logits_sum_in_float32(clean_state, tokens, vocab):
+    """float16 logits whose row sums of exponentials (a large vocabulary near uniform) or
+    whose summed token losses pass float16's largest number give the float64 loss."""
+    logits = (rng_array(8, (tokens, vocab), np.float64) * 0.01).astype(np.float16)
+    target = np.random.default_rng(2).integers(0, vocab, tokens)
+    loss_ref, grad_ref = _dense_cross_entropy(logits, target)
+    for tp in tp_sizes():
+        manager.initialize_parallel(tp)
+        cols = block(vocab, tp, manager.get_tensor_parallel_rank())
+        loss_fn = VocabParallelCrossEntropy(vocab, dtype=np.float16)
+        loss = loss_fn.forward(logits[:, cols], target)
+        agree(abs(loss - loss_ref) < 1e-3 * loss_ref, f"tp={tp}: loss {loss} != {loss_ref}")
+        grad = loss_fn.backward()
+        agree(grad.dtype == np.float16, f"tp={tp}: gradient of dtype {grad.dtype}")
+        assert_close(grad, grad_ref[:, cols], rtol=2e-2, atol=1e-3 / tokens,
+                     what=f"tp={tp} grad")
+        manager.destroy_parallel()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_a_column_parallel_head_and_the_loss_train_like_the_serial_model(clean_state):
     """x -> ColumnParallelLinear(gather_output=False) -> VocabParallelCrossEntropy: the

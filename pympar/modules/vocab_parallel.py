@@ -139,11 +139,16 @@ class VocabParallelEmbedding(Module):
         with self.agreement("forward", ids, self.group,
                             validate=(self._check_input, ids)):
             start, stop = self.vocab_range.start, self.vocab_range.stop
+            xp = array_module(self.weight.data)
             outside = (ids < start) | (ids >= stop)
-            local = ids - start
+            local = ids.astype(numpy.intp)  # a narrow integer dtype cannot hold ids - start
+            local -= start
             local[outside] = 0
-            y = self.weight.data[local]
-            y[outside] = 0
+            if stop > start:
+                y = self.weight.data[local]
+                y[outside] = 0
+            else:  # more ranks than words: this rank has none
+                y = xp.zeros((*ids.shape, self.embedding_dim), self.dtype)
             self.save_for_backward(local, outside, ids.shape)
             if self.use_sequence_parallel:
                 return mappings.reduce_scatter_to_sequence(y, group=self.group)
@@ -247,6 +252,11 @@ class VocabParallelCrossEntropy(Module):
                             validate=(self._check_input, logits, target, width)):
             return self._forward(logits, target)
 
+    def terms(self, target: Any) -> int:
+        """How many terms the mean of :meth:`forward` with ``target`` is over: the targets
+        that are not ``ignore_index`` (a pipeline schedule weighs micro-batches by it)."""
+        return int((target != self.ignore_index).sum())
+
     def _check_input(self, logits: Any, target: Any, width: int) -> None:
         check_array(self, logits, width, self.dtype, "logits")
         _check_ids(self, target, self.vocab_size, "targets", self.ignore_index)
@@ -260,20 +270,22 @@ class VocabParallelCrossEntropy(Module):
         width = logits.shape[-1]
         z = logits.reshape(math.prod(logits.shape[:-1]), width).copy()
         n = z.shape[0]
-        t = target.reshape(n)
+        t = target.reshape(n).astype(numpy.intp, copy=False)  # room for t - start
         # A rank with an empty block (more ranks than words) offers -inf to the maxima.
         top = z.max(axis=1) if width else xp.full(n, -xp.inf, dtype=z.dtype)
         collectives.all_reduce(self.group, top, op="max", out=top)
         z -= top[:, None]
         smoothing = self.label_smoothing
-        sums = xp.zeros((3 if smoothing else 2, n), dtype=z.dtype)
+        # Half-precision logits sum in float32: a row's exponentials pass float16's 65504
+        # once the vocabulary has more words.
+        sums = xp.zeros((3 if smoothing else 2, n), dtype=backend.accumulation_dtype(z.dtype))
         start, stop = self.vocab_range.start, self.vocab_range.stop
         mine = xp.nonzero((t >= start) & (t < stop))[0]
         sums[1, mine] = z[mine, t[mine] - start]
         if smoothing:
-            z.sum(axis=1, out=sums[2])
+            z.sum(axis=1, dtype=sums.dtype, out=sums[2])
         xp.exp(z, out=z)
-        z.sum(axis=1, out=sums[0])
+        z.sum(axis=1, dtype=sums.dtype, out=sums[0])
         collectives.all_reduce(self.group, sums, out=sums)
         log_total = xp.log(sums[0])
         loss = log_total - sums[1]
@@ -284,7 +296,7 @@ class VocabParallelCrossEntropy(Module):
         count = int(kept.sum())
         z /= sums[0][:, None]  # the softmax of this rank's block
         self.save_for_backward(z, mine, t[mine] - start, kept, count, logits.shape)
-        return float(loss[kept].sum()) / count if count else 0.0
+        return float(loss[kept].sum(dtype=xp.float64)) / count if count else 0.0
 
     def backward(self, grad: float = 1.0) -> Any:
         """Return this rank's block of ``dloss/dlogits``:
