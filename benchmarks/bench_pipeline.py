@@ -222,7 +222,7 @@ class Pipeline:
 
     def free(self) -> None:
         for run in self.runs.values():
-            run.transfer.free()
+            run.free()
         self.group.free()
 
 

@@ -158,7 +158,7 @@ def train(args: argparse.Namespace, comm: MPI.Intracomm = MPI.COMM_WORLD) -> dic
         owners = comm.allgather(comm.Get_rank() if last else comm.Get_size())
         losses = comm.bcast(losses, root=min(owners))
         stages = comm.allgather((pp.rank, run.peak_in_flight, tuple(stage.layer_range)))
-        run.transfer.free()
+        run.free()
     finally:
         manager.destroy_parallel()
     return {"losses": losses, "stages": sorted(set(stages)),

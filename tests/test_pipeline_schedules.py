@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from mpi_helpers import agree, raises_everywhere
-from pipeline_helpers import LAYOUTS, P, Layout, check_training, layers, stage_loss
+from layer_helpers import self_group
+from pipeline_helpers import (LAYOUTS, OUT, ROWS, P, Layout, batch, check_training, layers,
+                              stage_loss, worst)
 from pympar import debug
 from pympar.amp import GradScaler
 from pympar.errors import CollectiveMismatchError, PeerEndedError
-from pympar.modules import Linear, Module, Recompute
+from pympar.modules import Linear, Module, Recompute, Sequential, VocabParallelCrossEntropy
 from pympar.optim import AdamW
 from pympar.pipeline import GPipe, OneFOneB, PipelineGroup, split_stages, stage_bounds
 from pympar.zero import ZeroRedundancyOptimizer
@@ -48,7 +50,7 @@ def test_training_equals_the_serial_model(layouts, name, schedule):
         stage = split_stages(layers(layout.tp, layout.tensor_parallel), layout.pp)
         run = schedule(stage, layout.pp, m, stage_loss(layout.pp))
         check_training(layout, stage, run, AdamW(stage, lr=1e-2))
-        run.transfer.free()
+        run.free()
 
 
 @needs
@@ -141,14 +143,46 @@ def test_micro_batches_alive_per_stage(layouts, schedule, bound):
 
 
 @needs
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_loss_that_ignores_targets_weighs_micro_batches_by_what_it_counts(layouts,
+                                                                            schedule):
+    """Cross-entropy with ignored targets spread unevenly over the micro-batches (3 of the
+    first one's 4 ignored, 1 of the second's, none of the third's): the loss and gradients
+    of the whole batch's mean over the targets counted."""
+    layout = layouts[LAYOUTS[0]]
+    x, _ = batch(0, 1)
+    t = np.arange(ROWS) % OUT
+    t[[0, 1, 2, 7]] = -1
+
+    def cross_entropy():
+        return VocabParallelCrossEntropy(OUT, ignore_index=-1, dtype=np.float64,
+                                         group=self_group())
+
+    serial, loss_fn = Sequential(*layers(self_group(), False)), cross_entropy()
+    expected = loss_fn.forward(serial.forward(x), t)
+    serial.backward(loss_fn.backward(1.0))
+    stage = split_stages(layers(self_group(), False), layout.pp)
+    run = schedule(stage, layout.pp, 3, cross_entropy() if layout.pp.rank == layout.pp.size - 1
+                   else None)
+    loss = run.run(x, t)
+    run.free()
+    problems = worst(stage, {n: p.grad for n, p in serial.named_parameters()}, "grad")
+    if loss is not None and not np.isclose(loss, expected, rtol=1e-12, atol=0):
+        problems.append(f"loss {loss!r} != {expected!r}")
+    agree(not problems, "; ".join(problems))
+
+
+@needs
 def test_steps_of_each_schedule(layouts):
     """The orders themselves: every micro-batch forward then backward, 1F1B's warm-up."""
     layout = layouts[LAYOUTS[0]]
     stage = split_stages(layers(layout.tp, layout.tensor_parallel), layout.pp)
     p, s, m = layout.pp.size, layout.pp.rank, 5
     ahead = min(p - s - 1, m)
-    one = OneFOneB(stage, layout.pp, m, stage_loss(layout.pp)).steps()
-    all_f = GPipe(stage, layout.pp, m, stage_loss(layout.pp)).steps()
+    runs = [schedule(stage, layout.pp, m, stage_loss(layout.pp)) for schedule in (OneFOneB, GPipe)]
+    one, all_f = (run.steps() for run in runs)
+    for run in runs:
+        run.free()
     agree(one[:ahead + 1] == [("forward", k) for k in range(ahead + 1)]
           and one[ahead + 1] == ("backward", 0) and sorted(one) == sorted(all_f)
           and all_f[:m] == [("forward", k) for k in range(m)],

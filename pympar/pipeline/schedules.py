@@ -10,9 +10,10 @@ wait outside its layers (:func:`~pympar.pipeline.caches.take_caches`), one set p
 in flight.
 
 The loss is the mean over the whole batch: the gradient of micro-batch ``k``'s loss is
-scaled by its share ``n_k / n`` of the batch (its extent along ``axis``), so that the
-gradients accumulated over the micro-batches are those of one full-batch step, uneven
-micro-batches included.
+scaled by its share ``n_k / n`` of the terms the batch's mean is over (its extent along
+``axis``, or what the loss's ``terms(target)`` counts, such as the targets that are not
+ignored), so that the gradients accumulated over the micro-batches are those of one
+full-batch step, uneven micro-batches included.
 
 :class:`GPipe` runs every forward, then every backward: a stage holds the caches of all
 ``m`` micro-batches. :class:`OneFOneB` (Megatron's default) starts ``p - s - 1`` forwards
@@ -53,7 +54,9 @@ class PipelineSchedule:
     loss : Module, optional
         The last stage's loss (``forward(prediction, target) -> float`` with mean reduction,
         ``backward(grad) -> gradient of the prediction``, as :class:`pympar.modules.MSELoss`);
-        required there, ignored elsewhere.
+        required there, ignored elsewhere. A loss whose mean is not over the micro-batch's
+        extent along ``axis`` says over how many terms it is with ``terms(target) -> int``
+        (:class:`~pympar.modules.VocabParallelCrossEntropy`: the targets not ignored).
     axis : int, default 0
         The batch axis of the inputs and targets, cut into micro-batches.
     xp : module, optional
@@ -82,8 +85,8 @@ class PipelineSchedule:
     Notes
     -----
     Creating one is collective over the pipeline group: one comparison of the schedule over
-    the group, then the transfer's communicator. Every :meth:`run` then talks only to the
-    neighbouring stages.
+    the group, then the transfer's communicator, which :meth:`free` releases. Every
+    :meth:`run` then talks only to the neighbouring stages.
     """
 
     #: The schedule's name, in its label and in errors.
@@ -111,6 +114,12 @@ class PipelineSchedule:
 
     def __repr__(self) -> str:
         return f"{self.transfer.label} on {self.pipeline!r}"
+
+    def free(self) -> None:
+        """Release the schedule's communicator (collective over the pipeline group;
+        idempotent). Free a schedule that will not run again: MPI gives a program a few
+        thousand communicators."""
+        self.transfer.free()
 
     def steps(self) -> list[tuple[str, int]]:
         """This stage's order: ``("forward", k)`` and ``("backward", k)`` for every
@@ -148,8 +157,8 @@ class PipelineSchedule:
             data = self._cut(inputs, "inputs") if p.is_first else None
             goal = self._cut(targets, "targets") if p.is_last else None
             if goal is not None:
-                extents = [t.shape[self.axis] for t in goal]
-                shares = [n / max(sum(extents), 1) for n in extents]
+                terms = [self._terms(t) for t in goal]
+                shares = [n / max(sum(terms), 1) for n in terms]
             for action, k in self.steps():
                 if action == "forward":
                     x = data[k] if p.is_first else self.transfer.recv_forward(k, self.xp)
@@ -178,6 +187,11 @@ class PipelineSchedule:
             self.transfer.abort(error)  # the neighbours raise (nothing when they told us)
             raise
         return total if p.is_last else None
+
+    def _terms(self, target: Any) -> int:
+        """How many terms the loss's mean over ``target`` (a micro-batch's) is over."""
+        count = getattr(self.loss, "terms", None)
+        return int(count(target)) if count is not None else target.shape[self.axis]
 
     def _cut(self, batch: Any, what: str) -> list[Any]:
         """``batch`` as ``micro_batches`` arrays along ``axis`` (a sequence: as given)."""
