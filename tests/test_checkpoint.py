@@ -266,6 +266,34 @@ def test_latest_keep_and_no_overwrite(state, shared_dir):
     agree(checkpoint.latest(os.path.join(shared_dir, "nothing-here")) is None, "empty dir")
 
 
+def test_keep_never_deletes_the_checkpoint_it_saved(state, shared_dir):
+    """A save with no step, or a lower one than those in the folder (a run started again),
+    is among the ``keep`` that remain."""
+    model, opt = trained(state, "a", steps=1)
+    for name, step in (("s10", 10), ("s11", 11), ("final", None), ("again", 0)):
+        checkpoint.save(os.path.join(shared_dir, name), model, opt, step=step, keep=2)
+    names = sorted(n for n in os.listdir(shared_dir) if not n.startswith("."))
+    agree(names == ["again", "s11"], f"left {names}")
+
+
+def test_a_directory_named_beyond_ascii(state, shared_dir):
+    """Rank 0 names the temporary directory for every rank in bytes, not characters."""
+    model, opt = trained(state, "a", steps=1)
+    path = os.path.join(shared_dir, "contrôle-é")
+    checkpoint.save(path, model, opt, step=3)
+    step, _ = checkpoint.load(path, model, opt)
+    agree(step == 3 and checkpoint.latest(shared_dir) == path, f"step {step}")
+
+
+def test_a_path_that_is_none_on_one_rank_raises_on_every_rank(state, shared_dir):
+    """As when one rank's ``latest`` found nothing: every rank raises, none waits."""
+    model, opt = trained(state, "a", steps=1)
+    path = os.path.join(shared_dir, "c")
+    mine = None if WORLD.rank == WORLD.size - 1 else path
+    for call in (checkpoint.save, checkpoint.load):
+        raises_everywhere(checkpoint.CheckpointError, "TypeError", call, mine, model, opt)
+
+
 def test_ranks_that_disagree_or_do_not_tile_are_refused(state, shared_dir):
     model = Module()
     shape = (4 * WORLD.size,)

@@ -53,7 +53,8 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
         Anything else the program needs to resume (rank 0's value is saved).
     keep : int, optional
         After the commit, delete the oldest complete checkpoints in the same parent directory
-        so that ``keep`` remain.
+        (ordered as :func:`latest` orders them) so that ``keep`` remain, this one always
+        among them, whatever its ``step``.
     comm : mpi4py communicator or Group, optional
         The ranks taking part: by default those of the current parallel state (else
         ``MPI.COMM_WORLD``).
@@ -73,7 +74,7 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     """
     comm = default_comm(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    path = os.path.abspath(os.fspath(path))
+    path = attempt(comm, _absolute, path)
     buffer = Buffer(BUFFER_BYTES)
     tensors, meta = attempt(comm, saving.prepare, rank, path, model, optimizer, step, extra,
                             keep)
@@ -90,6 +91,12 @@ def save(path: str | os.PathLike, model: Any, optimizer: Any = None, *, step: in
     attempt(comm, saving.commit, rank, temp, path, tensors, digests, meta, step, extra, keep,
             _retain)
     return path
+
+
+def _absolute(path: str | os.PathLike) -> str:
+    """``path`` made absolute (a TypeError for what is not a path, raised on every rank
+    through :func:`attempt`)."""
+    return os.path.abspath(os.fspath(path))
 
 
 def _complete(directory: str) -> list[tuple[int, float, str]]:
@@ -118,8 +125,11 @@ def _complete(directory: str) -> list[tuple[int, float, str]]:
     return sorted(found)
 
 
-def _retain(directory: str, keep: int) -> None:
-    for _, _, old in _complete(directory)[:-keep]:
+def _retain(directory: str, keep: int, saved: str) -> None:
+    """Delete the oldest complete checkpoints in ``directory`` but ``saved`` (the one just
+    written, whatever its step) so that ``keep`` remain."""
+    older = [found for _, _, found in _complete(directory) if found != saved]
+    for old in older[:max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(old)
 
 
@@ -178,7 +188,7 @@ def load(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
         changed: load another checkpoint.
     """
     comm = default_comm(comm)
-    directory = os.path.abspath(os.fspath(path))
+    directory = attempt(comm, _absolute, path)
     loading.compare_calls(comm, directory, optimizer)
     text = loading.read_manifest(comm, directory)
     tensors, meta = parts.complete(comm, model, *attempt(comm, tensors_of, model, optimizer))

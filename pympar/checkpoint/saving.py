@@ -72,14 +72,14 @@ def make_temp(comm: MPI.Intracomm, path: str) -> str:
     if comm.Get_rank() == 0:
         try:
             os.makedirs(parent, exist_ok=True)
-            temp = f".{base}.tmp-{os.getpid()}-{time.time_ns()}"
-            os.mkdir(os.path.join(parent, temp))
-            name[:len(temp)] = np.frombuffer(temp.encode(), dtype=np.uint8)
-        except OSError as err:
+            temp = os.fsencode(f".{base}.tmp-{os.getpid()}-{time.time_ns()}")
+            os.mkdir(os.path.join(os.fsencode(parent), temp))
+            name[:len(temp)] = np.frombuffer(temp, dtype=np.uint8)  # bytes, not characters
+        except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
             error = f"{type(err).__name__}: {err}"
     agree(comm, error)
     comm.Bcast(name, root=0)
-    return os.path.join(parent, bytes(name).rstrip(b"\0").decode())
+    return os.path.join(parent, os.fsdecode(bytes(name).rstrip(b"\0")))
 
 
 def create_files(rank: int, size: int, temp: str, tensors: list) -> None:
@@ -179,7 +179,7 @@ def commit(rank: int, temp: str, path: str, tensors: list, digests: list | None,
                 "optimizer": meta, "tensors": entries}
     _commit(temp, path, json.dumps(manifest, indent=1).encode())
     if keep is not None:
-        retain(os.path.dirname(path), keep)
+        retain(os.path.dirname(path), keep, path)
 
 
 def _data_bytes(t: Any) -> int:
