@@ -8,6 +8,7 @@ split axes 0 and 1 over the two axes of a mesh of the world.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -173,6 +174,63 @@ def test_a_block_that_disagrees_with_the_split_is_refused_on_every_rank(layouts)
                       np.zeros((4, 4)), layouts["pencil"])
     raises_everywhere(ValueError, "norm must be one of", fft.fftn, block, group, norm="unit")
     raises_everywhere(TypeError, "real floating-point", fft.rfftn, block + 0j, group)
+
+
+@pytest.fixture(scope="module")
+def two_split_pencil() -> Any:
+    """Two groups of two ranks or more each (the ``pencil`` layout of 4 ranks is 4 x 1)."""
+    if WORLD.size < 4 or WORLD.size % 2:
+        pytest.skip("needs an even number of ranks, at least 4")
+    mesh = Mesh(WORLD, {"a": WORLD.size // 2, "b": 2})
+    groups = (mesh.group("a"), mesh.group("b"))
+    yield groups
+    for group in groups:
+        group.free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("name", ["rfftn", "irfftn", "fftn", "ifftn"])
+def test_a_block_refused_on_one_rank_ends_every_exchange_at_once(two_split_pencil, direction,
+                                                                  name):
+    """One rank's block of the wrong extent: the ranks of every exchange of the call raise
+    at once, whichever way the call goes through the groups, none waiting for the watchdog."""
+    groups, shape = two_split_pencil, (6, 5, 4)
+    real = name in ("rfftn", "irfftn")
+    field_side = (name in ("rfftn", "fftn")) == (direction == "forward")
+    placement = (fft.physical_placement(shape, groups) if field_side
+                 else fft.spectral_placement(shape, groups, real=real))
+    x = placement.take(np.ones(placement.shape, np.float64 if field_side and real
+                               else np.complex128))
+    if WORLD.rank == WORLD.size - 1:
+        x = np.ones((x.shape[0] + 1,) + x.shape[1:], x.dtype)
+    call = getattr(fft, name) if direction == "forward" else getattr(fft, name).backward
+    old = debug.get_timeout()
+    debug.set_timeout(60.0)
+    try:
+        start = time.monotonic()
+        raises_everywhere(Exception, "", call, x, groups, s=shape)
+        agree(time.monotonic() - start < 20.0, "a rank waited for the watchdog")
+    finally:
+        debug.set_timeout(old)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_out_of_another_shape_is_refused_without_s(layouts):
+    """Without s= the block's shape is known once the exchanges are made: an out of
+    another shape is refused then, never filled by broadcasting."""
+    group, shape = layouts["slab"], (2 * WORLD.size, 1, 3)
+    y = fft.spectral_placement(shape, group).take(np.fft.fftn(_field(shape, np.float64, True)))
+    wrong = np.zeros((y.shape[0], 4, 3), np.complex128)
+    raises_everywhere(ValueError, "out has shape", fft.ifftn, y, group, out=wrong)
+    x = fft.physical_placement(shape, group).take(_field(shape, np.float64, False))
+    half = fft.spectral_placement(shape, group, real=True).local_shape
+    raises_everywhere(ValueError, "out has shape", fft.irfftn,
+                      fft.rfftn(x, group, s=shape), group,
+                      out=np.zeros((x.shape[0], 2, 3)))
+    if WORLD.size == 1:  # no exchange: the local transform's out is checked
+        raises_everywhere(ValueError, "out has shape", fft.rfftn, x, group,
+                          out=np.zeros((half[0], 1, 3), np.complex128))
 
 
 @pytest.mark.mpi(min_size=2)

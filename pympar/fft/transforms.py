@@ -81,6 +81,8 @@ class _Call:
                  real: bool, spectral_input: bool, out: Any = None) -> None:
         self.name, self.real = name, real
         self.groups = _groups(groups)
+        # The exchanges in the call's order: the last group first towards the spectrum.
+        self.order = list(self.groups) if spectral_input else list(self.groups)[::-1]
         try:
             if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
                 raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, got "
@@ -163,11 +165,21 @@ class _Call:
         return n // 2 + 1 if self.real and k == len(self.axes) - 1 else n
 
     def refuse(self, first: int, err: Exception) -> None:
-        """Make the ranks of the exchanges not yet made, from the ``first``-th on, raise."""
-        order = list(reversed(self.groups))
-        for group in order[first:]:
+        """Make the ranks of the exchanges not yet made, from the ``first``-th on, raise.
+
+        Every group is told, also after one raises the mismatch (its other ranks were
+        communicating), which is raised then: the ranks of a later exchange must not wait
+        for this one.
+        """
+        mismatch = None
+        for group in self.order[first:]:
             if group.size > 1:
-                collectives.refuse(group, self.name, err)
+                try:
+                    collectives.refuse(group, self.name, err)
+                except CollectiveMismatchError as caught:
+                    mismatch = mismatch or caught
+        if mismatch is not None:
+            raise mismatch
 
     def scratch(self, slot: str, shape: Sequence[int], like: Any, dtype: Any = None) -> Any:
         """A reused array of ``like``'s module (and dtype, unless given) for an intermediate
@@ -209,6 +221,8 @@ def _to_spectral(call: _Call, x: Any, double_pairs: bool = False, out: Any = Non
     array (never a scratch one: every exchange but the last makes a new array)."""
     axes, norm, splits = call.axes, call.norm, _splits(call)
     whole = axes[splits:]
+    if splits == 0:  # (else the last exchange checks out)
+        _check_result_out(call, out, x.shape, half=axes[-1] if call.real else None)
     if call.real:
         shape = list(x.shape)
         shape[axes[-1]] = shape[axes[-1]] // 2 + 1
@@ -228,6 +242,21 @@ def _to_spectral(call: _Call, x: Any, double_pairs: bool = False, out: Any = Non
     return y
 
 
+def _check_result_out(call: _Call, out: Any, shape: Sequence[int],
+                      half: int | None = None) -> None:
+    """Refuse an ``out`` of another shape than this rank's block of the result, ``shape``
+    (with ``half``, that axis halved as :func:`rfftn` does): known once the exchanges are
+    made, where no ``s=`` gave it before (a local error: the exchanges are complete)."""
+    if out is None:
+        return
+    shape = list(shape)
+    if half is not None:
+        shape[half] = shape[half] // 2 + 1
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{call.name}: out has shape {tuple(out.shape)}; this rank's block "
+                         f"of the result has shape {tuple(shape)}")
+
+
 def _complex_dtype(x: Any) -> Any:
     return numpy.result_type(x.dtype, numpy.complex64)
 
@@ -241,14 +270,16 @@ def _to_physical(call: _Call, y: Any, halve_pairs: bool = False, out: Any = None
         first = i == 0 and y.dtype.kind == "c" and direct(y)
         y = c2c(y, (axes[i],), norm, inverse=True, overwrite=i > 0,
                 out=call.scratch("c2c", y.shape, y) if first else None)
-        y = call.exchange(y, i, splits - 1 - i, axes[i], axes[i + 1],
-                          call.spectral_length(i + 1), reuse=True)
+        y = call.exchange(y, i, i, axes[i], axes[i + 1], call.spectral_length(i + 1),
+                          reuse=True)
     whole = axes[splits:]
     if not call.real:  # out of place: y may be a scratch array
+        _check_result_out(call, out, y.shape)
         if out is None:
             out = backend.array_module(y).empty(y.shape, _complex_dtype(y))
         return c2c(y, whole, norm, inverse=True, out=out)
     n = call.lengths[-1] if call.lengths is not None else 2 * (y.shape[axes[-1]] - 1)
+    _check_result_out(call, out, y.shape[:axes[-1]] + (n,) + y.shape[axes[-1] + 1:])
     if halve_pairs and splits == 0:  # the adjoint of rfftn along the real axis (whole here)
         work = call.scratch("halved", y.shape, y)
         work[...] = y
