@@ -144,8 +144,19 @@ def _identity(group: Group, x: Any, out: Any, sizes: Any = None, name: Any = Non
         x = _local(x, name)
     if out is None or out is x:
         return x
+    _check_out(name, x, out)
     out[...] = x
     return out
+
+
+def _check_out(name: str | None, result: Any, out: Any) -> None:
+    """Raise unless ``out`` can hold ``result`` as it is: the same array type, shape and
+    dtype (no broadcast, no cast)."""
+    if type(out) is not type(result) or out.shape != result.shape or out.dtype != result.dtype:
+        raise (TypeError if type(out) is not type(result) else ValueError)(
+            f"{name or 'mapping'}: out is a {type(out).__name__} of shape "
+            f"{getattr(out, 'shape', '?')} and dtype {getattr(out, 'dtype', '?')}, expected "
+            f"one of shape {result.shape} and dtype {result.dtype}")
 
 
 def _all_reduce(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:
@@ -163,6 +174,7 @@ def _keep_block(axis: int) -> Step:
         if out is None:
             # A view when already contiguous (axis 0 of a C array), else a C copy.
             return block if block.flags.c_contiguous else block.copy()
+        _check_out(name, block, out)
         out[...] = block
         return out
     return _step(keep_block, sends=_never)
@@ -344,12 +356,6 @@ def _alone(step: Step, name: str, x: Any, out: Any, global_size: Any,
             raise ValueError(f"{name}: global_size={global_size} is not the extent of axis "
                              f"{axis} of this rank's input of shape {x.shape} (one rank "
                              f"holds all of it)")
-    if out is not None and out is not x and (
-            type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype):
-        raise (TypeError if type(out) is not type(x) else ValueError)(
-            f"{name}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} "
-            f"and dtype {getattr(out, 'dtype', '?')}, expected one of shape {x.shape} and "
-            f"dtype {x.dtype}")
     return _identity(None, x, out, None, name)
 
 

@@ -305,6 +305,24 @@ def test_keywords_one_rank_gets_wrong_raise_on_every_rank(group):
     agree(np.array_equal(mappings.reduce_from_all(x, group), x * group.size), "in step after")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_steps_that_send_nothing_check_out():
+    """copy_to_all and the block a scatter keeps write into an out of their result's shape
+    and dtype only: never broadcast into a larger one or cast into an integer one."""
+    group = Mesh(WORLD, {"x": WORLD.size}).group("x")
+    x = np.full((2, 4), 0.5)
+    cols = collectives.block_slice(4, group.size, group.rank)
+    block = (2, cols.stop - cols.start)
+    for call, wrong in ((mappings.copy_to_all, np.zeros((3, 2, 4))),
+                        (mappings.copy_to_all, np.zeros((2, 4), np.int64)),
+                        (mappings.scatter_to_hidden, np.zeros((3,) + block)),
+                        (mappings.scatter_to_hidden, np.zeros(block, np.int64))):
+        raises_everywhere(ValueError, "out is a ndarray of shape", call, x, group, out=wrong)
+    agree(np.array_equal(mappings.scatter_to_hidden(x, group, out=np.empty(block)),
+                         x[:, cols]), "the kept block")
+    group.free()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_a_group_of_one_checks_what_a_larger_group_would(solo):
     """On one rank the mapping returns its input, but the call is still checked."""

@@ -197,6 +197,27 @@ def test_ring_bytes_and_no_input_gradient():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_keys_and_values_of_any_strides():
+    """A Fortran-ordered kv on every rank, and a strided one on one rank only: the ring's
+    results (forward and every gradient) equal those of the C-ordered kv."""
+    cp = WORLD.size
+    group = Group(WORLD, "cp-world", list(range(cp)), owns_comm=False)
+    segments = [sequence_segments(2 * cp + 1, cp, c) for c in range(cp)]
+    n = sum(b - a for a, b in segments[group.rank])
+    rng = np.random.default_rng(group.rank)
+    qh, kv = rng.standard_normal((2, 2, n, 4)), rng.standard_normal((2, 2, 2, n, 4))
+    dout = rng.standard_normal(qh.shape)
+    out, lse = ring_attention_forward(qh, kv, group, segments, causal=True)
+    grads = ring_attention_backward(dout, qh, kv, out, lse, group, segments, causal=True)
+    strided = np.repeat(kv, 2, axis=-1)[..., ::2]
+    for other in (np.asfortranarray(kv), strided if group.rank == 0 else kv):
+        o, l = ring_attention_forward(qh, other, group, segments, causal=True)
+        g = ring_attention_backward(dout, qh, other, o, l, group, segments, causal=True)
+        agree(np.array_equal(o, out) and all(np.array_equal(a, b) for a, b in zip(g, grads)),
+              f"kv of strides {other.strides}: results differ from the C-ordered kv's")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_context_attention_bad_input():
     group = Group(WORLD, "cp-world", list(range(WORLD.size)), owns_comm=False)
     raises_everywhere(ValueError, "scheme must be one of", ContextAttention, 6, 2, "rings",

@@ -138,7 +138,8 @@ def ring_attention_forward(qh: Any, kv: Any, group: Group | None, segments: Sequ
     qh : array
         Queries ``[B, heads, n, dh]`` of this rank's positions.
     kv : array
-        Keys and values ``[2, B, heads, n, dh]`` of the same positions (C-contiguous).
+        Keys and values ``[2, B, heads, n, dh]`` of the same positions (any strides: the
+        ring sends a C-contiguous copy of a block that is not).
     group : Group or None
         The ring; None or a size-1 group means this rank alone.
     segments : sequence of segments
@@ -158,6 +159,7 @@ def ring_attention_forward(qh: Any, kv: Any, group: Group | None, segments: Sequ
     size = 1 if group is None else group.size
     rank = 0 if group is None else group.rank
     if size > 1:
+        kv = array_module(kv).ascontiguousarray(kv)  # the ring sends its bytes in memory order
         _agree(group, "ring_attention.forward", qh, kv, segments, causal, lens)
     state = OnlineSoftmax(qh)
     cur, bufs = kv, _buffers(array_module(kv), kv, segments, 2) if size > 1 else None
@@ -201,6 +203,7 @@ def ring_attention_backward(dout: Any, qh: Any, kv: Any, out: Any, lse: Any,
     dq = xp.zeros_like(qh) if dq is None else dq
     dkv = xp.zeros_like(kv) if dkv is None else dkv
     if size > 1:
+        kv = xp.ascontiguousarray(kv)  # the ring sends its bytes in memory order
         _agree(group, "ring_attention.backward", qh, kv, segments, causal, lens, dout, out, lse)
     delta = (dout * out).sum(axis=-1)
     mine = segments[rank]
