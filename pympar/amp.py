@@ -26,6 +26,7 @@ from .group import Group, self_group
 from .modules.core import Module
 from .modules.parameter import Parameter
 from .optim import AdamW
+from .settings import check_same
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["GradScaler", "master_weights_optimizer", "self_group"]
@@ -98,12 +99,21 @@ class GradScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                  comm: MPI.Intracomm | None = None) -> None:
+        error = None
         if not init_scale > 0 or not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError("GradScaler: need init_scale > 0, growth_factor > 1 and "
-                             f"0 < backoff_factor < 1, got {init_scale}, {growth_factor}, "
-                             f"{backoff_factor}")
-        if growth_interval < 1:
-            raise ValueError(f"GradScaler: growth_interval must be >= 1, got {growth_interval}")
+            error = ValueError("GradScaler: need init_scale > 0, growth_factor > 1 and "
+                               f"0 < backoff_factor < 1, got {init_scale}, {growth_factor}, "
+                               f"{backoff_factor}")
+        elif growth_interval < 1:
+            error = ValueError(f"GradScaler: growth_interval must be >= 1, got "
+                               f"{growth_interval}")
+        self._comm = manager.parallel_comm() if comm is None else comm
+        # Collective (as the group below): a rank that refuses its arguments must not leave
+        # the others waiting there, so the refusal is compared first and raised everywhere.
+        check_same(self._comm, "GradScaler", "" if error is None else
+                   f"refused by this rank: {error}")
+        if error is not None:
+            raise error
         self.enabled = bool(enabled)
         self._scale = float(init_scale)
         self.growth_factor = float(growth_factor)
@@ -111,7 +121,6 @@ class GradScaler:
         self.growth_interval = int(growth_interval)
         self._growth_tracker = 0
         self.found_inf: bool | None = None
-        self._comm = manager.parallel_comm() if comm is None else comm
         self._group = _group_of(self._comm)
         self._label = (f"GradScaler(enabled={self.enabled}, growth_factor={self.growth_factor}, "
                        f"backoff_factor={self.backoff_factor}, "

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, Union
 
 from pympar._optim_state import StateDictMixin
-from pympar.backend import array_module
+from pympar.backend import accumulation_dtype, array_module
 from pympar.collectives import label
 from pympar.modules.core import Module, as_parameter_list, check_backward_done
 from pympar.modules.parameter import Parameter
@@ -252,7 +252,12 @@ class AdamW(Adam):
 
 
 class _Buckets:
-    """Flat communication buffers for one parameter list, grouped by (array module, dtype)."""
+    """Flat communication buffers for one parameter list, grouped by (array module, dtype).
+
+    Half-precision gradients are packed into float32 buffers: the all-reduce sums them in
+    float32 anyway, and the average must be taken before the one rounding back (a sum
+    past 65504 whose mean fits would round to inf first).
+    """
 
     def __init__(self, params: list[Parameter], bucket_bytes: int) -> None:
         self.refs = [weakref.ref(p) for p in params]
@@ -281,7 +286,7 @@ class _Buckets:
         for i in members:
             layout.append((i, offset, params[i].size))
             offset += params[i].size
-        flat = xp.empty(offset, dtype=dtype)
+        flat = xp.empty(offset, dtype=accumulation_dtype(dtype))
         name = flat_label("allreduce_gradients", [params[i] for i in members])
         self.buckets.append((flat, layout, (f"{name} sum", f"{name} average")))
 
@@ -324,9 +329,11 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
     group : Group or None
         The data-parallel group. ``None`` or a group of size 1 returns at once.
     bucket_bytes : int, default 25 MiB
-        Upper bound on a bucket's size.
+        Upper bound on a bucket's gradients, in their own dtype's bytes (a bucket of
+        half-precision gradients is reduced in float32: twice that).
     average : bool, default True
-        Divide the sum by ``group.size``.
+        Divide the sum by ``group.size`` (in float32 for half-precision gradients, before
+        they are rounded back).
 
     Notes
     -----
@@ -359,7 +366,7 @@ def allreduce_gradients(module_or_params: ParamsLike, group: Any,
             p = params[i]
             chunk = flat[offset: offset + size].reshape(p.data.shape)
             if p.grad is None:
-                p.grad = chunk.copy()
+                p.grad = chunk.astype(p.data.dtype)  # a copy
             else:
                 p.grad[...] = chunk
 

@@ -188,19 +188,25 @@ class ZeroRedundancyOptimizer(ShardedStateMixin):
 
     def __init__(self, params: Module | Iterable[Parameter], optimizer_class: type = AdamW,
                  group: Any = None, *, bucket_bytes: int = 25 * 2**20, **kw: Any) -> None:
-        if bucket_bytes < 1:
-            raise ValueError("ZeroRedundancyOptimizer: bucket_bytes must be >= 1, "
-                             f"got {bucket_bytes}")
         self.group = default_group() if group is None else group
         self.params = [p for p in as_parameter_list(params) if p.requires_grad]
+        refusal = None
+        if bucket_bytes < 1:
+            refusal = f"bucket_bytes must be >= 1, got {bucket_bytes}"
         for p in self.params:
-            if p.data.ndim == 0:
-                raise ValueError(f"ZeroRedundancyOptimizer: parameter {p.name or ''} is 0-d; "
-                                 "it has no first axis to share (make it shape (1,))")
+            if p.data.ndim == 0 and refusal is None:
+                refusal = (f"parameter {p.name or ''} is 0-d; it has no first axis to share "
+                           "(make it shape (1,))")
         # Shares and buckets are planned from the shapes: ranks that disagree would pair
-        # mismatched collectives, so they all raise here instead.
+        # mismatched collectives, so they all raise here instead, as for one rank's refusal.
         mine = [(p.shape, str(p.dtype)) for p in self.params]
-        others = self.group.comm.allgather(mine)
+        gathered = self.group.comm.allgather((refusal, mine))
+        refused = [(k, text) for k, (text, _) in enumerate(gathered) if text is not None]
+        if refused:
+            k, text = refused[0]
+            whose = "" if k == self.group.rank else f"rank {k} of group {self.group.name}: "
+            raise ValueError(f"ZeroRedundancyOptimizer: {whose}{text}")
+        others = [shapes for _, shapes in gathered]
         if any(o != mine for o in others):
             bad = [k for k, o in enumerate(others) if o != others[0]]
             raise ValueError(f"ZeroRedundancyOptimizer: the ranks of group {self.group.name} "

@@ -112,6 +112,9 @@ def test_scale_growth_and_backoff_follow_torch_rule():
     agree(all(got == want for _, got, want in seen), f"scales {seen}")
     raises_everywhere(RuntimeError, "call step", scaler.update)
     raises_everywhere(ValueError, "backoff_factor", GradScaler, backoff_factor=2.0)
+    # Refused on one rank only: every rank raises, none waits in the constructor.
+    raises_everywhere(Exception, "growth_interval must be >= 1", GradScaler,
+                      growth_interval=0 if WORLD.rank == WORLD.size - 1 else 10)
     off = GradScaler(enabled=False)
     x = np.ones(2)
     agree(off.scale(x) is x and off.get_scale() == 1.0, "disabled scaler scales")

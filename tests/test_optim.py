@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pympar import backend
 from pympar.modules import Linear, Parameter, Sequential
 from pympar.optim import SGD, Adam, AdamW, allreduce_gradients
 
@@ -161,6 +162,24 @@ def test_allreduce_small_buckets_and_missing_grads():
     for i, p in enumerate(params[:3]):
         np.testing.assert_array_equal(p.grad, 2 * p.data)
     assert params[3].grad is not None and not params[3].grad.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_allreduce_averages_half_precision_before_rounding(dtype):
+    """Half-precision gradients whose sum over the group passes the dtype's range (float16:
+    65504) but whose mean fits: the mean, not inf; the gradient keeps its dtype."""
+    dtype = np.dtype(backend.bfloat16 if dtype == "bfloat16" else dtype)
+    if dtype == np.float16:
+        values = [30000.0, 1.0, -30000.0]
+    else:  # bfloat16 reaches 3.4e38, as float32 does: what matters is the one rounding
+        values = [1.0 + 2.0**-8, 3.0, -5.0]
+    p = Parameter(np.zeros(3, dtype))
+    p.grad = np.array(values, dtype)
+    group = FakeGroup(4)
+    allreduce_gradients([p], group)
+    assert group.buffers[0].dtype == np.float32 and p.grad.dtype == dtype
+    np.testing.assert_array_equal(p.grad.astype(np.float64),
+                                  np.array(values, dtype).astype(np.float64))
 
 
 def test_allreduce_trivial_groups():

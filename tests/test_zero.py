@@ -231,6 +231,19 @@ def test_zero_skips_frozen_and_rejects_bad_input():
     raises_everywhere(RuntimeError, "initialize_parallel", ZeroRedundancyOptimizer, [live])
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_refusal_on_one_rank_raises_on_every_rank(clean_state):
+    """A 0-d parameter or a bad bucket_bytes on one rank only: every rank raises, naming
+    it, none waits in the exchange of shapes."""
+    dp = layout(1)
+    last = dp.rank == dp.size - 1
+    live = Parameter(np.ones((4,)))
+    raises_everywhere(ValueError, "is 0-d", ZeroRedundancyOptimizer,
+                      [Parameter(np.ones(() if last else (1,)))], group=dp)
+    raises_everywhere(ValueError, "bucket_bytes must be >= 1", ZeroRedundancyOptimizer,
+                      [live], group=dp, bucket_bytes=0 if last else 1024)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_zero_skips_a_parameter_frozen_after_construction_as_adamw_does(clean_state):
     dp = layout(1)
