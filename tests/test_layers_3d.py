@@ -49,9 +49,10 @@ def test_two_linear3d_layers_alternate_layouts(cube, xp_name, dtype):
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("xp_name", XPS)
-def test_layernorm3d(cube, swap, xp_name):
+@pytest.mark.parametrize("hidden", [7, 1], ids=["hidden-7", "hidden-1-fewer-than-depth"])
+def test_layernorm3d(cube, swap, xp_name, hidden):
     xp = get_xp(xp_name)
-    dtype, hidden = np.float64, 7
+    dtype = np.float64
     ref = LayerNorm(hidden, dtype=dtype, xp=xp)
     ref.weight.data[...] = rng_array(3, hidden, dtype, xp)
     ref.bias.data[...] = rng_array(4, hidden, dtype, xp)

@@ -267,6 +267,18 @@ def test_dropout_determinism_eval_and_mask():
         Dropout(1.5)
 
 
+def test_gelu_after_a_fortran_ordered_input():
+    """The tanh buffer an F-ordered forward left is not the one a C-ordered forward
+    caches through a flat view: backward reads what the forward wrote."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((6, 5)), rng.standard_normal((6, 5))
+    gelu, fresh = GELU(), GELU()
+    gelu.forward(np.asfortranarray(x))
+    gelu.backward(np.asfortranarray(dy))
+    np.testing.assert_array_equal(gelu.forward(x), fresh.forward(x))
+    np.testing.assert_array_equal(gelu.backward(dy), fresh.backward(dy))
+
+
 def test_gelu_blocks_match_closed_form():
     """GELU runs large NumPy arrays in cache-sized blocks; block edges must not show."""
     rng = np.random.default_rng(5)

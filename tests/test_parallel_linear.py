@@ -143,6 +143,22 @@ def test_bad_input_names_the_layer(clean_state):
     row = RowParallelLinear(8, 4, input_is_parallel=False, dtype=np.float64)
     raises_everywhere(ValueError, r"RowParallelLinear.*\(\.\.\., 8\)", row.forward, np.zeros((2, 4)))
     raises_everywhere(ValueError, "stride=3", ColumnParallelLinear, 4, 12, stride=3)
+    # With sequence parallelism axis 0 is the sequence: a 1-D input has none.
+    for layer in (ColumnParallelLinear(4, 8, use_sequence_parallel=True, dtype=np.float64),
+                  RowParallelLinear(4, 6, use_sequence_parallel=True, dtype=np.float64)):
+        raises_everywhere(ValueError, "expected input of shape", layer.forward, np.zeros(4))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_a_bias_gradient_of_another_shape_on_one_rank_raises_everywhere(clean_state, kind):
+    """skip_bias_add: the dbias a backward takes is checked with dy, on every rank."""
+    manager.initialize_parallel(WORLD.size if WORLD.size <= 4 else 2)
+    layer = (ColumnParallelLinear(4, 6, skip_bias_add=True, dtype=np.float64) if kind == "column"
+             else RowParallelLinear(4, 6, skip_bias_add=True, dtype=np.float64))
+    y, bias = layer.forward(np.ones((3, 4)))
+    dbias = np.ones(bias.size + (WORLD.rank == WORLD.size - 1))
+    raises_everywhere(Exception, "bias gradient", layer.backward, np.ones_like(y), dbias)
 
 
 @pytest.mark.mpi(min_size=2)

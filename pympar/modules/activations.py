@@ -45,11 +45,13 @@ class GELU(Module):
         self._spare = None
 
     def _buffer(self, like: Any) -> Any:
+        """A C-ordered array shaped like ``like``: the spare one, else a new one (the
+        blocked passes write it through a flat view, which an F-ordered one would copy)."""
         spare, self._spare = self._spare, None
         if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
             if type(spare) is type(like):
                 return spare
-        return array_module(like).empty_like(like)
+        return array_module(like).empty(like.shape, like.dtype)
 
     @staticmethod
     def _forward_into(xp: Any, x: Any, t: Any, y: Any) -> None:

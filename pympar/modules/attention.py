@@ -221,6 +221,7 @@ class ParallelAttention(Module):
 
     def _backward(self, dout: Any, cache: tuple) -> Any:
         if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):
+            self.qkv.saved_tensors()  # its backward is skipped: release its cache unused
             return None  # nothing below the output projection needs a gradient
         seq, batch = dout.shape[0], dout.shape[1]
         dout = dout.reshape(seq, batch, self.local_heads, self.head_dim)

@@ -252,6 +252,7 @@ class ContextAttention(Module):
         n, batch = dy.shape[0], dy.shape[1]
         dout = self.proj.backward(dy).reshape(n, batch, self.num_heads, self.head_dim)
         if not self.input_grad and not any(p.requires_grad for p in self.qkv.parameters()):
+            self.qkv.saved_tensors()  # its backward is skipped: release its cache unused
             return None  # nothing below the output projection needs a gradient
         xp = array_module(dy)
         if self.ulysses is not None:

@@ -7,6 +7,8 @@ over a *row-sum* function: the serial :class:`LayerNorm` sums each row locally, 
 
 from __future__ import annotations
 
+import math
+
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -90,7 +92,8 @@ def layer_norm_backward(dy: Any, xhat: Any, rstd: Any, weight: Any, hidden: int,
     dy = xp.ascontiguousarray(dy)
     dgamma = dbeta = dx = None
     if param_grads and weight is not None:
-        rows = dy.reshape(-1, dy.shape[-1])
+        # (not reshape(-1, n): a rank may hold no hidden columns, n == 0)
+        rows = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
         xhat2d = xhat.reshape(rows.shape)
         dgamma = (xp.einsum("ij,ij->j", rows, xhat2d) if not is_bfloat16(rows.dtype)
                   else (rows * xhat2d).sum(axis=0))

@@ -77,6 +77,13 @@ class _TensorParallelLinear(Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group={self.group.name}, dtype={self.dtype.name}")
 
+    def _check_gradients(self, dy: Any, shape: tuple, dbias: Any, bias_shape: tuple) -> None:
+        """The backward's arguments: ``dy`` of ``shape``, and any ``dbias`` (with
+        ``skip_bias_add``) of ``bias_shape``, both of the layer's dtype."""
+        check_array(self, dy, None, self.dtype, "output gradient", shape)
+        if dbias is not None:
+            check_array(self, dbias, None, self.dtype, "bias gradient", bias_shape)
+
     def _local_affine(self, x: Any) -> tuple[Any, Any]:
         """Return ``x @ W_local.T`` (no bias) and ``x`` as 2-D for the backward cache."""
         # Written out: this is the hot path of every forward.
@@ -192,7 +199,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         """Return the (gathered or local) output; ``(y, bias)`` with ``skip_bias_add``."""
         sp = self.use_sequence_parallel
         with self.agreement("forward", x, self.group, (0,) if sp else (), 0 if sp else None,
-                            validate=(check_array, self, x, self.in_features, self.dtype)) as rows:
+                            validate=(check_array, self, x, self.in_features, self.dtype,
+                                      "input", None, 2 if sp else 1)) as rows:
             if sp:
                 total = mappings.gather_from_sequence(x, self.group, global_size=sum(rows))
             else:
@@ -225,8 +233,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         x2d, total_shape = self.saved_tensors()
         width = self.out_features if self.gather_output else self.weight.data.shape[0]
         with self.agreement("backward", dy, self.group, () if self.gather_output else (-1,),
-                            validate=(check_array, self, dy, None, self.dtype, "output gradient",
-                                      (*total_shape[:-1], width))):
+                            validate=(self._check_gradients, dy, (*total_shape[:-1], width),
+                                      dbias, (width,))):
             return self._backward(dy, dbias, x2d, total_shape)
 
     def _backward(self, dy: Any, dbias: Any, x2d: Any, total_shape: tuple) -> Any:
@@ -306,7 +314,8 @@ class RowParallelLinear(_TensorParallelLinear):
         """Return the reduced output; ``(y, bias)`` with ``skip_bias_add``."""
         width = self.weight.data.shape[1] if self.input_is_parallel else self.in_features
         with self.agreement("forward", x, self.group, (-1,) if self.input_is_parallel else (),
-                            validate=(check_array, self, x, width, self.dtype)):
+                            validate=(check_array, self, x, width, self.dtype, "input", None,
+                                      2 if self.use_sequence_parallel else 1)):
             return self._forward(x)
 
     def _forward(self, x: Any) -> Any:
@@ -332,8 +341,8 @@ class RowParallelLinear(_TensorParallelLinear):
         x2d, x_shape, y_shape = self.saved_tensors()
         with self.agreement("backward", dy, self.group,
                             (0,) if self.use_sequence_parallel else (),
-                            validate=(check_array, self, dy, None, self.dtype,
-                                      "output gradient", y_shape)):
+                            validate=(self._check_gradients, dy, y_shape, dbias,
+                                      (self.out_features,))):
             return self._backward(dy, dbias, x2d, x_shape)
 
     def _backward(self, dy: Any, dbias: Any, x2d: Any, x_shape: tuple) -> Any:
