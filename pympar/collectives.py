@@ -33,7 +33,7 @@ from . import _agreement, backend
 from ._agreement import agree, label, refuse
 from ._comm_state import Communicator, freed_error
 from ._plans import Blocks, Plan, in_units, signature
-from ._transfer import as_array, claim as out_claim, index, run
+from ._transfer import _unfit, as_array, claim as out_claim, index, run
 from .partition import balanced_sizes, block_slice
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
@@ -127,6 +127,7 @@ def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str |
     that extent masked."""
     try:
         x = as_array(x, label or what)
+        movable = _movable(x, what)  # refused with the rest: the others must not wait
         axes = (_axis(axes[0], x, what),) if len(axes) == 1 else _axes(x, *axes)
         ax = axes[-1]
         masked = x.shape[:ax] + (-1,) + x.shape[ax + 1:]
@@ -143,7 +144,7 @@ def _learn_sizes(group: Communicator, x: Any, out: Any, sizes: Any, label: str |
         return x, (x.shape[ax],), True
     name = _agreement.within(label)
     shown = f"{what}(shape={x.shape}, dtype={x.dtype}, axis={ax}, sizes unknown)"
-    sig = signature((what, _movable(x, what), masked, *axes), name)
+    sig = signature((what, movable, masked, *axes), name)
     return x, _agreement.extents(group, sig, shown, name, x.shape[ax], claim), True
 
 
@@ -305,11 +306,18 @@ def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
         # MPI-3's built-in reductions refuse derived datatypes: reduce all, keep my block.
         try:
             ax = _axis(axis, x, "reduce_scatter")
+            block = block_slice(x.shape[ax], group.size, group.rank)
+            shape = x.shape[:ax] + (block.stop - block.start,) + x.shape[ax + 1:]
+            native = x.dtype.newbyteorder("=")
+            if out is not None and (type(out) is not type(x) or out.shape != shape
+                                    or out.dtype != native):  # as smaller counts' plan does
+                raise _unfit(x, out, shape, "reduce_scatter", native)
+            if out is not None and backend.array_module(x).may_share_memory(out, x):
+                raise ValueError("reduce_scatter: out overlaps the input; pass a separate array")
         except (TypeError, ValueError) as err:
             refuse(group, "reduce_scatter", err)
             raise
-        mine = all_reduce(group, x, op, None, label)[
-            (slice(None),) * ax + (block_slice(x.shape[ax], group.size, group.rank),)]
+        mine = all_reduce(group, x, op, None, label)[(slice(None),) * ax + (block,)]
         if out is None:
             return mine.copy()
         out[...] = mine

@@ -8,6 +8,8 @@ locally and agrees once at the end, so one bad rank fails every rank.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -15,7 +17,7 @@ from mpi4py import MPI
 from collective_helpers import (DTYPES, Checks, dtypes_for, laid_out, layouts_for, piece,
                                 random, split_sizes)
 from mpi_helpers import WORLD, agree, assert_close, assert_equal, raises_everywhere, to_numpy
-from pympar import backend, collectives
+from pympar import backend, collectives, debug
 from pympar.debug import CollectiveMismatchError
 from pympar.mesh import Mesh
 
@@ -305,6 +307,18 @@ def test_a_freed_group_says_so():
         raises_everywhere(RuntimeError, "group 'freed-.*' has been freed", call)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_dtype_no_collective_moves_on_one_rank_raises_everywhere(group):
+    """Without sizes=, a gather learns the extents after its check: a rank whose array MPI
+    cannot move refuses in that check, and every rank raises at once."""
+    x = np.array(["a"]) if group.rank == group.size - 1 else np.ones(1)
+    start = time.monotonic()
+    with debug.debug_mode(debug.is_enabled(), timeout=60):
+        for call in (group.all_gather, lambda a: group.all_to_all(a.reshape(1, 1), 0, 1)):
+            raises_everywhere(Exception, "move bool, integer, float and complex", call, x)
+    agree(time.monotonic() - start < 30, "a rank waited for the watchdog")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_counts_beyond_mpi3_int_move_in_units_or_chunks(group, monkeypatch):
     # Pretend the library is MPI-3 and int counts stop at 30 elements: every collective
@@ -328,8 +342,18 @@ def test_counts_beyond_mpi3_int_move_in_units_or_chunks(group, monkeypatch):
     check.equal(group.broadcast(inputs[r], p - 1), inputs[p - 1], "broadcast")
     big = np.concatenate(inputs, axis=1)  # (4p, 10p): rank r holds column block r
     check.equal(group.all_to_all(inputs[r], 0, 1), piece(big, p, 0, r), "all_to_all")
+    # reduce_scatter in pieces checks out as the plan of smaller counts does
+    block = piece(np.sum(inputs, axis=0), p, 0, r)
+    out = np.empty_like(block)
+    check.close(group.reduce_scatter(inputs[r], 0, out=out), block, "reduce_scatter into out")
     group.release_buffers()
     check.done()
+    if p > 1:
+        last = r == p - 1
+        for wrong in (np.empty(block.shape, np.int8 if last else np.float64),
+                      np.empty((block.shape[0] + last, 10))):
+            raises_everywhere(Exception, "out is a ndarray", group.reduce_scatter, inputs[r], 0,
+                              out=wrong)
 
 
 @pytest.mark.mpi(min_size=1)
