@@ -136,7 +136,12 @@ def spectral(args: argparse.Namespace, comm: MPI.Intracomm) -> tuple:
     """Backward Euler in Fourier space on this rank's row slab; returns ``(block, where
     it sits)``."""
     shape = tuple(args.grid)
-    rows = Mesh(comm, {"x": comm.Get_size()}).group("x")
+    ranks, modes = comm.Get_size(), shape[1] // 2 + 1
+    if min(shape[0], modes) < ranks:  # every rank holds a slab of each, here
+        raise ValueError(f"--method spectral splits the {shape[0]} rows, then the {modes} "
+                         f"columns of modes, over the ranks: {ranks} ranks need at least "
+                         f"as many of each")
+    rows = Mesh(comm, {"x": ranks}).group("x")
     field = fft.physical_placement(shape, rows)            # axis 0 split
     (where, _), = field.pieces()
     u = initial_field(*where, shape)

@@ -92,6 +92,35 @@ def check_all(groups: Sequence[Group], sig: int, shown: str, name: str | None) -
             agree_all(groups[at + 1:], (), shown, err)
 
 
+def _grid(global_shape: Sequence[int], groups: Mapping[Any, Any]
+          ) -> tuple[tuple[int, ...], list[Group | None]]:
+    """The shape and the group of each axis (None where not split), or the error of
+    this rank's arguments."""
+    try:
+        shape = tuple(operator.index(n) for n in global_shape)
+    except TypeError:
+        raise TypeError(f"Decomposition: global_shape {global_shape!r} needs int extents") \
+            from None
+    if not shape:
+        raise ValueError("Decomposition: global_shape needs at least one axis")
+    if min(shape) < 1:
+        raise ValueError(f"Decomposition: global_shape {shape} needs every extent >= 1")
+    ndim = len(shape)
+    per_axis: list[Group | None] = [None] * ndim
+    for axis, group in groups.items():
+        axis = operator.index(axis)
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"Decomposition: axis {axis} is out of range for a field of "
+                             f"{ndim} dimensions")
+        if not isinstance(group, Group):
+            raise TypeError(f"Decomposition: groups[{axis}] must be a pympar Group, not "
+                            f"{type(group).__name__}")
+        if per_axis[axis % ndim] is not None:
+            raise ValueError(f"Decomposition: axis {axis % ndim} is given twice")
+        per_axis[axis % ndim] = group
+    return shape, per_axis
+
+
 def _periodic(periodic: Any, ndim: int) -> tuple[bool, ...]:
     if isinstance(periodic, (bool, np.bool_)):
         return (bool(periodic),) * ndim
@@ -138,41 +167,28 @@ class Decomposition:
     ValueError
         For an extent < 1, an axis out of range or given twice, a wrong number of
         periodic flags; or on every rank, when the groups do not form a grid of adjacent
-        blocks.
+        blocks. A rank that refuses its arguments raises this, and the other ranks of its
+        groups :class:`~pympar.debug.CollectiveMismatchError` naming it.
     pympar.debug.CollectiveMismatchError
         On every rank, when ranks pass different shapes, periodicity or group sizes.
     """
 
     def __init__(self, global_shape: Sequence[int], groups: Mapping[int, Group] | None = None,
                  periodic: bool | Sequence[bool] = False) -> None:
-        shape = tuple(operator.index(n) for n in global_shape)
-        if not shape:
-            raise ValueError("Decomposition: global_shape needs at least one axis")
+        given = dict(groups or {})
+        try:
+            shape, per_axis = _grid(global_shape, given)
+            self.periodic = _periodic(periodic, len(shape))
+        except (TypeError, ValueError) as error:
+            # Refused before the others agree: they raise too, in the groups given here
+            # (the same, in the same order, on every rank of a correct call).
+            groups_given = [g for g in given.values() if isinstance(g, Group) and g.size > 1]
+            agree_all(list(dict.fromkeys(groups_given)), (), "Decomposition", error)
+            raise
         ndim = len(shape)
-        per_axis: list[Group | None] = [None] * ndim
-        for axis, group in dict(groups or {}).items():
-            axis = operator.index(axis)
-            if not -ndim <= axis < ndim:
-                raise ValueError(f"Decomposition: axis {axis} is out of range for a field of "
-                                 f"{ndim} dimensions")
-            if not isinstance(group, Group):
-                raise TypeError(f"Decomposition: groups[{axis}] must be a pympar Group, not "
-                                f"{type(group).__name__}")
-            if per_axis[axis % ndim] is not None:
-                raise ValueError(f"Decomposition: axis {axis % ndim} is given twice")
-            per_axis[axis % ndim] = group
         self.global_shape = shape
         self.ndim = ndim
         self.groups = tuple(per_axis)
-        # Refusals of the shape or the flags reach the other ranks (they agree next).
-        error = None if min(shape) >= 1 else ValueError(
-            f"Decomposition: global_shape {shape} needs every extent >= 1")
-        try:
-            self.periodic = _periodic(periodic, ndim)
-        except (TypeError, ValueError) as err:
-            error = error or err
-        if error is not None:
-            agree_all(self.split_groups(), (), "Decomposition", error)
         self.parts = tuple(1 if g is None else g.size for g in self.groups)
         self.coords = tuple(0 if g is None else g.rank for g in self.groups)
         self.sizes = tuple(balanced_sizes(n, p) for n, p in zip(shape, self.parts))

@@ -284,7 +284,7 @@ class HaloExchange:
             ``out`` or a new C-contiguous array: ``dy``'s interior plus the gradients of the
             neighbours' ghosts that came from this block.
         """
-        plan = self._plan(dy, "backward")
+        plan = self._plan(dy, "backward", out)
         work = plan.buffers.get("work")
         if work is None:
             work = plan.buffers["work"] = plan.xp.empty(plan.shape, plan.dtype)
@@ -368,7 +368,9 @@ class HaloExchange:
         # The hot path (a known shape, C-contiguous, exchange/adjoint): one dict lookup and
         # the check of the plan's signature, hashed once per label.
         # A known shape is a fitting shape: then only the layout and the block can be wrong.
-        if plan is None or not padded.flags.c_contiguous or block is not None:
+        # (CuPy's flags have no writeable: its arrays always are)
+        if plan is None or block is not None or not (
+                padded.flags.c_contiguous and getattr(padded.flags, "writeable", True)):
             error = self._refusal(padded, direction, block)
             if error is not None:
                 self.refuse(direction, error)
@@ -376,8 +378,9 @@ class HaloExchange:
             d = self.decomposition
             key = key or (padded.shape, padded.dtype, type(padded), direction)
             plan = self._plans[key] = Plan(self, tuple(padded.shape), padded)
+            # dtype.str, byte order included: the bytes move as they are.
             plan.key = ("HaloExchange", direction, d.global_shape, self.widths,
-                        plan.lead_shape, padded.dtype.newbyteorder("=").str)
+                        plan.lead_shape, padded.dtype.str)
             plan.shown = (f"HaloExchange.{direction}(global_shape={d.global_shape}, "
                           f"widths={self.widths}, leading={plan.lead_shape}, "
                           f"dtype={padded.dtype})")
@@ -399,17 +402,22 @@ class HaloExchange:
                           "exchange", error)
 
     def _refusal(self, padded: Any, direction: str, block: Any) -> Exception | None:
-        """Why this rank cannot make the call, or None."""
+        """Why this rank cannot make the call, or None. ``block``: forward's input, or
+        backward's ``out`` (block-shaped, both)."""
         d, where = self.decomposition, f"HaloExchange.{direction}"
-        for x, what in ((block, "block"), (padded, "padded array")):
+        role = "out" if direction == "backward" else "block"
+        for x, what in ((block, role), (padded, "padded array")):
             if x is not None and not (isinstance(x, np.ndarray) or backend.is_cupy_array(x)):
                 return TypeError(f"{where}: the {what} must be a numpy.ndarray or "
                                  f"cupy.ndarray, not {type(x).__name__}")
         if block is not None and (block.ndim < d.ndim
                                   or tuple(block.shape[block.ndim - d.ndim:]) != d.local_shape):
-            return ValueError(f"{where}: the block has shape {tuple(block.shape)}; expected "
+            return ValueError(f"{where}: the {role} has shape {tuple(block.shape)}; expected "
                               f"(*leading, *{d.local_shape}), this rank's block of "
                               f"{d.global_shape} split {d.parts} ways")
+        if direction == "backward" and block is not None and \
+                not getattr(block.flags, "writeable", True):
+            return ValueError(f"{where}: out is read-only")
         shape = tuple(padded.shape)
         lead = shape[:max(0, len(shape) - d.ndim)]
         if shape != (*lead, *self.padded_shape) or not padded.flags.c_contiguous:
@@ -418,11 +426,15 @@ class HaloExchange:
                 f"{'' if padded.flags.c_contiguous else ' and is not C-contiguous'}; expected "
                 f"a C-contiguous (*leading, *{self.padded_shape}): this rank's block "
                 f"{d.local_shape} with widths {self.widths}")
+        if direction != "backward" and not getattr(padded.flags, "writeable", True):
+            return ValueError(f"{where}: the padded array is read-only; the call writes it")
         if block is not None and (type(block) is not type(padded) or block.dtype != padded.dtype
                                   or tuple(block.shape[:block.ndim - d.ndim]) != lead):
-            return ValueError(f"{where}: out ({type(padded).__name__} {shape} "
-                              f"{padded.dtype}) does not fit the block "
-                              f"({type(block).__name__} {tuple(block.shape)} {block.dtype})")
+            out, other = (block, padded) if direction == "backward" else (padded, block)
+            return ValueError(f"{where}: out ({type(out).__name__} {tuple(out.shape)} "
+                              f"{out.dtype}) does not fit "
+                              f"{'dy' if direction == 'backward' else 'the block'} "
+                              f"({type(other).__name__} {tuple(other.shape)} {other.dtype})")
         if padded.dtype.kind not in "biufc" and padded.dtype != backend.bfloat16:
             return TypeError(f"{where}: cannot exchange dtype {padded.dtype}")
         return None

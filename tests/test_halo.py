@@ -730,6 +730,46 @@ def test_a_bad_width_or_shape_on_one_rank_only(mesh):
           repr(caught))
     raises_everywhere(Exception, "needs every extent >= 1", Decomposition,
                       (8, 0) if WORLD.rank == 0 else (8, 8), split(mesh, "grid"))
+    # Refused before any agreement (the arguments make no field): the others raise too.
+    first, grid = WORLD.rank == 0, split(mesh, "grid")
+    raises_everywhere(Exception, "needs int extents", Decomposition,
+                      (8.0 if first else 8, 8), grid)
+    raises_everywhere(Exception, "axis 5 is out of range", Decomposition, (8, 8),
+                      {5 if first else 0: grid[0], 1: grid[1]})
+    raises_everywhere(Exception, "is given twice", Decomposition, (8, 8),
+                      {**grid, -1: grid[1]} if first else grid)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_what_a_call_writes_must_be_writable_and_fit_on_every_rank(mesh, layout):
+    """Rank 0 alone passes a read-only array to a call that writes it, or an out of
+    another shape or dtype to backward, or another byte order: it raises its reason, its
+    neighbours the mismatch naming it (the bytes would move as they are)."""
+    d = Decomposition((16, 24), split(mesh, layout), True)
+    halo = HaloExchange(d, 1)
+    first = WORLD.rank == 0
+
+    def padded(read_only: bool = False, order: str = "=") -> np.ndarray:
+        a = np.zeros(halo.padded_shape, np.dtype(np.float64).newbyteorder(order))
+        a.flags.writeable = not (read_only and first)
+        return a
+
+    raises_around_rank0(halo, ValueError, "is read-only", halo.exchange, padded(True))
+    raises_around_rank0(halo, ValueError, "is read-only", halo.adjoint, padded(True))
+    raises_around_rank0(halo, ValueError, "is read-only", halo.forward,
+                        np.zeros(d.local_shape), padded(True))
+    for out in (np.zeros(d.local_shape, np.int32), np.zeros((1, *d.local_shape)),
+                np.zeros((d.local_shape[0] + 1, d.local_shape[1]))):
+        raises_around_rank0(halo, ValueError, "out", halo.backward, padded(),
+                            out if first else np.zeros(d.local_shape))
+    if P > 1:
+        raises_around_rank0(halo, CollectiveMismatchError, ">f8", halo.forward,
+                            np.zeros(d.local_shape, ">f8" if first else "<f8"))
+    # Big-endian on every rank moves right.
+    full = field((16, 24), seed=4)
+    assert_equal(halo.forward(d.take(full).astype(">f8")).astype(np.float64),
+                 my_padded_block(padded_reference(full, halo.widths, d.periodic), d,
+                                 halo.widths), "a big-endian field")
 
 
 @pytest.mark.skipif(P == 1, reason="needs two ranks")

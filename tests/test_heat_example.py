@@ -68,6 +68,10 @@ def test_flags_that_do_not_fit_are_said_once(capsys):
         status = heat.main(["--grid", "1", "40", "--steps", "1"])
         err = capsys.readouterr().err
         agree(status == 2 and err.count("wider than block") == (WORLD.rank == 0), err)
+        # the spectral scheme's slabs: fewer rows than ranks
+        status = heat.main(["--method", "spectral", "--grid", "1", "40", "--steps", "1"])
+        err = capsys.readouterr().err
+        agree(status == 2 and err.count("need at least as many") == (WORLD.rank == 0), err)
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
