@@ -138,9 +138,9 @@ def spectral(args: argparse.Namespace, comm: MPI.Intracomm) -> tuple:
     shape = tuple(args.grid)
     ranks, modes = comm.Get_size(), shape[1] // 2 + 1
     if min(shape[0], modes) < ranks:  # every rank holds a slab of each, here
-        raise ValueError(f"--method spectral splits the {shape[0]} rows, then the {modes} "
-                         f"columns of modes, over the ranks: {ranks} ranks need at least "
-                         f"as many of each")
+        raise ValueError(f"--method spectral splits the {shape[0]} rows, then the "
+                         f"{modes} columns of modes, over the ranks: {ranks} ranks "
+                         f"need at least as many of each")
     rows = Mesh(comm, {"x": ranks}).group("x")
     field = fft.physical_placement(shape, rows)            # axis 0 split
     (where, _), = field.pieces()
