@@ -42,8 +42,8 @@ def index(value: Any, what: str, name: str) -> int:
         raise TypeError(f"{what}: {name} must be an int, not {type(value).__name__}") from None
 
 
-def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
-           dtype: np.dtype | None = None) -> Exception:
+def unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
+          dtype: np.dtype | None = None) -> Exception:
     """The error of an ``out`` that is not an array of ``x``'s kind, dtype and ``shape``."""
     return (TypeError if type(out) is not type(x) else ValueError)(
         f"{shown}: out is a {type(out).__name__} of shape {getattr(out, 'shape', '?')} and "
@@ -52,18 +52,26 @@ def _unfit(x: Any, out: Any, shape: tuple[int, ...], shown: str,
         + (" (-1: the gathered extent)" if -1 in shape else ""))
 
 
+def check_out(x: Any, out: Any, shape: tuple[int, ...], shown: str,
+              dtype: np.dtype | None = None) -> None:
+    """Raise for an ``out`` that is not an array of ``x``'s kind, ``dtype`` (``x``'s by
+    default) and ``shape``, or that overlaps ``x`` without being it."""
+    if not (type(out) is type(x) and out.shape == shape
+            and out.dtype == (x.dtype if dtype is None else dtype)):
+        raise unfit(x, out, shape, shown, dtype)
+    # Arrays owning their memory cannot overlap; CuPy's test compares device ranges.
+    if (out.base is not None or x.base is not None) and out is not x and \
+            backend.array_module(x).may_share_memory(out, x):
+        raise ValueError(f"{shown}: out overlaps the input without being it; "
+                         f"pass a separate array")
+
+
 def destination(group: Communicator, plan: Plan, x: Any, out: Any) -> Any:
     """What MPI (or the unpacking) writes for ``out``: ``out``, or scratch when it is not
     C-contiguous; raises for an ``out`` that does not fit or overlaps ``x`` (but is not it)."""
-    if type(out) is type(x) and out.shape == plan.out_shape and out.dtype == x.dtype:
-        # Arrays owning their memory cannot overlap; CuPy's test compares device ranges.
-        if (out.base is not None or x.base is not None) and out is not x and \
-                backend.array_module(x).may_share_memory(out, x):
-            raise ValueError(f"{plan.shown}: out overlaps the input without being it; "
-                             f"pass a separate array")
-        return out if out.flags.c_contiguous else \
-            group._state.scratch("dest", out.shape, x.dtype, x)
-    raise _unfit(x, out, plan.out_shape, plan.shown)
+    check_out(x, out, plan.out_shape, plan.shown)
+    return out if out.flags.c_contiguous else \
+        group._state.scratch("dest", out.shape, x.dtype, x)
 
 
 def claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> int:
@@ -78,7 +86,7 @@ def claim(x: Any, out: Any, axis: int, shape: tuple[int, ...], shown: str) -> in
         if out is not x and backend.array_module(x).may_share_memory(out, x):
             raise ValueError(f"{shown}: out overlaps the input; pass a separate array")
         return out.shape[axis] + 1
-    raise _unfit(x, out, shape, shown, native)
+    raise unfit(x, out, shape, shown, native)
 
 
 def run(group: Communicator, x: Any, out: Any, name: str | None, what: str,

@@ -33,7 +33,7 @@ from . import _agreement, backend
 from ._agreement import agree, label, refuse
 from ._comm_state import Communicator, freed_error
 from ._plans import Blocks, Plan, in_units, signature
-from ._transfer import _unfit, as_array, claim as out_claim, index, run
+from ._transfer import as_array, check_out, claim as out_claim, index, run
 from .partition import balanced_sizes, block_slice
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "label",
@@ -308,12 +308,8 @@ def reduce_scatter(group: Communicator, x: Any, axis: int = 0, out: Any = None,
             ax = _axis(axis, x, "reduce_scatter")
             block = block_slice(x.shape[ax], group.size, group.rank)
             shape = x.shape[:ax] + (block.stop - block.start,) + x.shape[ax + 1:]
-            native = x.dtype.newbyteorder("=")
-            if out is not None and (type(out) is not type(x) or out.shape != shape
-                                    or out.dtype != native):  # as smaller counts' plan does
-                raise _unfit(x, out, shape, "reduce_scatter", native)
-            if out is not None and backend.array_module(x).may_share_memory(out, x):
-                raise ValueError("reduce_scatter: out overlaps the input; pass a separate array")
+            if out is not None:  # as the plan of smaller counts checks it
+                check_out(x, out, shape, "reduce_scatter", x.dtype.newbyteorder("="))
         except (TypeError, ValueError) as err:
             refuse(group, "reduce_scatter", err)
             raise

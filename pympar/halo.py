@@ -128,6 +128,12 @@ def _settled(requests: list[MPI.Request], receipt: Receipt) -> None:
         raise Poison("a neighbour sent no face")
 
 
+def _writable(a: Any) -> bool:
+    """Whether a call may write ``a`` (CuPy's flags have no ``writeable``: its arrays
+    always are)."""
+    return getattr(a.flags, "writeable", True)
+
+
 class HaloExchange:
     """Ghost cells of a decomposed field: the exchange, and its exact adjoint.
 
@@ -368,9 +374,8 @@ class HaloExchange:
         # The hot path (a known shape, C-contiguous, exchange/adjoint): one dict lookup and
         # the check of the plan's signature, hashed once per label.
         # A known shape is a fitting shape: then only the layout and the block can be wrong.
-        # (CuPy's flags have no writeable: its arrays always are)
         if plan is None or block is not None or not (
-                padded.flags.c_contiguous and getattr(padded.flags, "writeable", True)):
+                padded.flags.c_contiguous and _writable(padded)):
             error = self._refusal(padded, direction, block)
             if error is not None:
                 self.refuse(direction, error)
@@ -415,8 +420,7 @@ class HaloExchange:
             return ValueError(f"{where}: the {role} has shape {tuple(block.shape)}; expected "
                               f"(*leading, *{d.local_shape}), this rank's block of "
                               f"{d.global_shape} split {d.parts} ways")
-        if direction == "backward" and block is not None and \
-                not getattr(block.flags, "writeable", True):
+        if direction == "backward" and block is not None and not _writable(block):
             return ValueError(f"{where}: out is read-only")
         shape = tuple(padded.shape)
         lead = shape[:max(0, len(shape) - d.ndim)]
@@ -426,7 +430,7 @@ class HaloExchange:
                 f"{'' if padded.flags.c_contiguous else ' and is not C-contiguous'}; expected "
                 f"a C-contiguous (*leading, *{self.padded_shape}): this rank's block "
                 f"{d.local_shape} with widths {self.widths}")
-        if direction != "backward" and not getattr(padded.flags, "writeable", True):
+        if direction != "backward" and not _writable(padded):
             return ValueError(f"{where}: the padded array is read-only; the call writes it")
         if block is not None and (type(block) is not type(padded) or block.dtype != padded.dtype
                                   or tuple(block.shape[:block.ndim - d.ndim]) != lead):

@@ -37,6 +37,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from . import collectives, manager
+from ._transfer import unfit
 from .group import Group
 
 __all__ = ["Mapping", "Replicated", "Sharded", "Partial", "MAPPINGS", "copy_to_all",
@@ -153,10 +154,7 @@ def _check_out(name: str | None, result: Any, out: Any) -> None:
     """Raise unless ``out`` can hold ``result`` as it is: the same array type, shape and
     dtype (no broadcast, no cast)."""
     if type(out) is not type(result) or out.shape != result.shape or out.dtype != result.dtype:
-        raise (TypeError if type(out) is not type(result) else ValueError)(
-            f"{name or 'mapping'}: out is a {type(out).__name__} of shape "
-            f"{getattr(out, 'shape', '?')} and dtype {getattr(out, 'dtype', '?')}, expected "
-            f"one of shape {result.shape} and dtype {result.dtype}")
+        raise unfit(result, out, result.shape, name or "mapping")
 
 
 def _all_reduce(group: Group, x: Any, out: Any, sizes: Any, name: str, /) -> Any:

@@ -139,7 +139,6 @@ class VocabParallelEmbedding(Module):
         with self.agreement("forward", ids, self.group,
                             validate=(self._check_input, ids)):
             start, stop = self.vocab_range.start, self.vocab_range.stop
-            xp = array_module(self.weight.data)
             outside = (ids < start) | (ids >= stop)
             local = ids.astype(numpy.intp)  # a narrow integer dtype cannot hold ids - start
             local -= start
@@ -148,7 +147,8 @@ class VocabParallelEmbedding(Module):
                 y = self.weight.data[local]
                 y[outside] = 0
             else:  # more ranks than words: this rank has none
-                y = xp.zeros((*ids.shape, self.embedding_dim), self.dtype)
+                y = array_module(self.weight.data).zeros((*ids.shape, self.embedding_dim),
+                                                         self.dtype)
             self.save_for_backward(local, outside, ids.shape)
             if self.use_sequence_parallel:
                 return mappings.reduce_scatter_to_sequence(y, group=self.group)

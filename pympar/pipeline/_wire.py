@@ -9,6 +9,7 @@ an *abort* (kind and text) on a tag of its own, which every wait listens for.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any
 
@@ -57,6 +58,7 @@ def header(kind: int, sig: int, micro_batch: int, shown: str, x: Any = None) -> 
     return words
 
 
+@functools.lru_cache(maxsize=64)
 def dtype_name(dtype: Any) -> str:
     """The name of ``dtype`` in a header, from which the receiver makes the same dtype.
 
